@@ -1,0 +1,37 @@
+# The two commands a newcomer needs:
+#   make demo   set up and run a short RL run on the CPU (reward visibly rises)
+#   make test   set up and run every check (lint, types, all tests)
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip install -c constraints.txt
+PACKAGES := packages/miles-transfer packages/miles-rollout packages/miles-trainer
+STAMP := $(VENV)/.miles-setup
+
+.PHONY: setup demo test lint typecheck pytest pants-test clean
+
+setup: $(STAMP)
+
+$(STAMP): constraints.txt requirements-dev.txt $(foreach p,$(PACKAGES) packages/miles,$(p)/pyproject.toml)
+	$(PY) -m venv $(VENV)
+	$(PIP) -q torch==2.13.0
+	$(PIP) -q $(foreach p,$(PACKAGES),-e $(p)) -e 'packages/miles[all]' -r requirements-dev.txt
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/miles train arith-tiny
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+pytest: setup
+	$(BIN)/pytest -q packages tests
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .pants.d .pants-cache .cache runs
