@@ -1,0 +1,139 @@
+"""Typed configs: the RL loss (`LossConfig`) and the FSDP2 trainer (`TrainerConfig`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["DTYPES", "KL_TYPES", "LOSS_AGG_MODES", "LossConfig", "TrainerConfig"]
+
+KL_TYPES = ("k1", "k2", "k3")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    """The clipped policy-gradient loss with optional KL, entropy and IS-correction terms.
+
+    The formulas are in `policy_loss` and in the package README.
+
+    Attributes:
+        clip_low: lower PPO clip: the ratio is clipped below at ``1 - clip_low``. In [0, 1).
+        clip_high: upper PPO clip: the ratio is clipped above at ``1 + clip_high``. A value
+            above ``clip_low`` is DAPO's "clip-higher" (asymmetric clip). >= 0.
+        kl_coef: weight of the KL(pi || ref) penalty added to the loss; 0 disables it (and the
+            reference model). >= 0.
+        kl_type: which Schulman estimator of KL(pi || ref) to use per token, with
+            ``d = logp - ref_logp``: "k1" = d, "k2" = d^2 / 2, "k3" = exp(-d) - 1 + d.
+        entropy_coef: weight of the entropy bonus (subtracted from the loss). >= 0.
+        loss_agg: how per-token terms become one number: "token-mean" (mean over all loss
+            tokens of the global batch), "seq-mean-token-sum" (sum over a sequence's tokens,
+            mean over sequences) or "seq-mean-token-mean" (mean over a sequence's tokens, then
+            mean over sequences).
+        use_rollout_logprobs: if True the "old" (behaviour) logprobs of the PPO ratio are the
+            rollout engine's logprobs; if False they come from a no-grad forward pass of the
+            current policy before the update.
+        tis_cap: if set, every token's policy-gradient term is multiplied by the detached
+            truncated importance weight ``min(exp(old_logp - rollout_logp), tis_cap)``, which
+            corrects for the rollout/training numerical mismatch. None disables it. > 0.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
+    entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    use_rollout_logprobs: bool = False
+    tis_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(f"LossConfig.clip_low must be in [0, 1), got {self.clip_low}")
+        if not (self.clip_high >= 0.0 and math.isfinite(self.clip_high)):
+            raise ValueError(f"LossConfig.clip_high must be finite and >= 0, got {self.clip_high}")
+        if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
+            raise ValueError(f"LossConfig.kl_coef must be finite and >= 0, got {self.kl_coef}")
+        if self.kl_type not in KL_TYPES:
+            raise ValueError(f"LossConfig.kl_type must be one of {KL_TYPES}, got {self.kl_type!r}")
+        if not (self.entropy_coef >= 0.0 and math.isfinite(self.entropy_coef)):
+            raise ValueError(
+                f"LossConfig.entropy_coef must be finite and >= 0, got {self.entropy_coef}"
+            )
+        if self.loss_agg not in LOSS_AGG_MODES:
+            raise ValueError(
+                f"LossConfig.loss_agg must be one of {LOSS_AGG_MODES}, got {self.loss_agg!r}"
+            )
+        if self.tis_cap is not None and not self.tis_cap > 0.0:
+            raise ValueError(f"LossConfig.tis_cap must be None or > 0, got {self.tis_cap}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """Everything `FSDPTrainer` needs.
+
+    Attributes:
+        model_path: local Hugging Face model directory (config.json plus safetensors weights).
+        dtype: compute dtype of the forward/backward: "float32", "bfloat16" or "float16".
+            Parameters, gradients and optimizer state stay float32 (FSDP2 mixed precision
+            casts the all-gathered parameters; gradients are reduced in float32).
+        lr: AdamW learning rate (constant). >= 0.
+        weight_decay: AdamW decoupled weight decay. >= 0.
+        betas: AdamW (beta1, beta2), each in [0, 1).
+        eps: AdamW epsilon. > 0.
+        grad_clip: clip the global gradient 2-norm to this value before each optimizer step;
+            None disables clipping (the norm is still reported). > 0.
+        micro_batch_size: samples per forward/backward pass on one rank. >= 1.
+        num_minibatches: optimizer steps per `train_step`; the batch is split into this many
+            contiguous mini-batches. >= 1.
+        temperature: logits are divided by it before log-softmax, matching the rollout
+            logprob contract (a greedy rollout, temperature 0, is scored at 1.0). > 0.
+        loss: the RL loss.
+        seed: torch RNG seed set at construction.
+        ref_model_path: reference model directory for the KL term; None means ``model_path``.
+            Only loaded when ``loss.kl_coef > 0``.
+    """
+
+    model_path: str
+    dtype: str = "float32"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+    micro_batch_size: int = 8
+    num_minibatches: int = 1
+    temperature: float = 1.0
+    loss: LossConfig = field(default_factory=LossConfig)
+    seed: int = 0
+    ref_model_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("TrainerConfig.model_path must name a Hugging Face model directory")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TrainerConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not (self.lr >= 0.0 and math.isfinite(self.lr)):
+            raise ValueError(f"TrainerConfig.lr must be finite and >= 0, got {self.lr}")
+        if not self.weight_decay >= 0.0:
+            raise ValueError(f"TrainerConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"TrainerConfig.betas must be two values in [0, 1), got {self.betas}")
+        if not self.eps > 0.0:
+            raise ValueError(f"TrainerConfig.eps must be > 0, got {self.eps}")
+        if self.grad_clip is not None and not self.grad_clip > 0.0:
+            raise ValueError(f"TrainerConfig.grad_clip must be None or > 0, got {self.grad_clip}")
+        if self.micro_batch_size < 1:
+            raise ValueError(
+                f"TrainerConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}"
+            )
+        if self.num_minibatches < 1:
+            raise ValueError(
+                f"TrainerConfig.num_minibatches must be >= 1, got {self.num_minibatches}"
+            )
+        if not (self.temperature > 0.0 and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"TrainerConfig.temperature must be finite and > 0 (score a greedy rollout at "
+                f"1.0), got {self.temperature}"
+            )

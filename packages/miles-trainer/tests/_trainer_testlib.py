@@ -1,0 +1,86 @@
+"""Shared helpers of the miles-trainer tests: a tiny Qwen3 checkpoint and random batches.
+
+Also imported by the torchrun worker script, so it must not depend on pytest.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from miles_trainer import TrainBatch
+
+VOCAB = 61
+
+
+def make_tiny_model(path: Path, *, seed: int = 0, tie: bool = True) -> Path:
+    """Save a random 2-layer Qwen3 (hidden 64) plus a real tokenizer to ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        # Wider than the default 0.02 so that logits are far from uniform and ratios move.
+        initializer_range=0.2,
+        tie_word_embeddings=tie,
+    )
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="t1", pad_token="t0").save_pretrained(
+        path
+    )
+    return path
+
+
+def make_batch(
+    n: int,
+    *,
+    seed: int = 0,
+    max_prompt: int = 6,
+    max_response: int = 9,
+    rollout_logprob: float = -3.0,
+) -> TrainBatch:
+    """Random samples of varied lengths, masks with some zeros, +/-1 and fractional advantages."""
+    rng = random.Random(seed)
+    tokens, lengths, masks, rollout, adv = [], [], [], [], []
+    for _ in range(n):
+        p, r = rng.randint(1, max_prompt), rng.randint(1, max_response)
+        tokens.append([rng.randrange(VOCAB) for _ in range(p + r)])
+        lengths.append(r)
+        mask = [1] * r
+        if r > 2:
+            mask[rng.randrange(1, r)] = 0  # a tool token in the middle
+        masks.append(mask)
+        rollout.append([rollout_logprob + rng.uniform(-0.5, 0.5) for _ in range(r)])
+        a = rng.choice([-1.0, 1.0, 0.5])
+        adv.append([a] * r)
+    return TrainBatch(
+        tokens=tokens,
+        response_lengths=lengths,
+        loss_masks=masks,
+        rollout_logprobs=rollout,
+        advantages=adv,
+    )
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) copies of a sharded model's parameters. Collective."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        out[name] = full.clone().cpu()
+    return out
