@@ -1,7 +1,22 @@
-"""miles-transfer: move policy weights from a trainer to inference engines, verified bit for bit."""
+"""miles-transfer: move policy weights from a trainer to inference engines, verified bit for bit.
+
+Depends on torch and the standard library only, so it installs alone into any RL stack.
+"""
 
 from miles_transfer._digest import tensor_digest
+from miles_transfer._http import HTTPReceiver, ReceiverError
+from miles_transfer._module_receiver import ModuleReceiver
+from miles_transfer._push import (
+    DEFAULT_BUCKET_BYTES,
+    SyncReport,
+    WeightMismatchError,
+    push_module_weights,
+    push_weights,
+)
 from miles_transfer._receiver import WeightReceiver
+from miles_transfer._safetensors import iter_safetensors, save_safetensors
+from miles_transfer._server import WeightServer
+from miles_transfer._state import bucketize, iter_full_state
 from miles_transfer._wire import (
     deserialize_named_tensors,
     discard_serialized,
@@ -10,10 +25,23 @@ from miles_transfer._wire import (
 from miles_transfer.version import __version__
 
 __all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "HTTPReceiver",
+    "ModuleReceiver",
+    "ReceiverError",
+    "SyncReport",
+    "WeightMismatchError",
     "WeightReceiver",
+    "WeightServer",
     "__version__",
+    "bucketize",
     "deserialize_named_tensors",
     "discard_serialized",
+    "iter_full_state",
+    "iter_safetensors",
+    "push_module_weights",
+    "push_weights",
+    "save_safetensors",
     "serialize_named_tensors",
     "tensor_digest",
 ]

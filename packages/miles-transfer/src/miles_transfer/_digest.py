@@ -6,6 +6,8 @@ import hashlib
 
 import torch
 
+from miles_transfer._bytes import byte_view
+
 __all__ = ["tensor_digest"]
 
 
@@ -25,6 +27,5 @@ def tensor_digest(t: torch.Tensor) -> str:
     cpu = t.detach().to("cpu").contiguous()
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{cpu.dtype}|{tuple(cpu.shape)}|".encode())
-    if cpu.numel():
-        h.update(cpu.reshape(-1).view(torch.uint8).numpy().data)
+    h.update(byte_view(cpu))
     return h.hexdigest()

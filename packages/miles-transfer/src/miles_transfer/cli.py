@@ -1,0 +1,101 @@
+"""The ``miles-transfer`` command line: inspect and compare HF safetensors checkpoints.
+
+Run ``miles-transfer --help``. Each subcommand is one small function registered in
+``build_parser``; new ones (e.g. ``delta encode/apply/verify``) add a subparser the same way.
+
+Exit codes: 0 success (or identical), 1 differences found, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from miles_transfer._digest import tensor_digest
+from miles_transfer._safetensors import iter_safetensors
+from miles_transfer.version import __version__
+
+__all__ = ["build_parser", "main"]
+
+EXIT_OK, EXIT_DIFFERENT, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _digests(path: str) -> dict[str, tuple[str, list[int], str]]:
+    """``{name: (dtype, shape, digest)}`` of a checkpoint."""
+    return {
+        name: (str(t.dtype).removeprefix("torch."), list(t.shape), tensor_digest(t))
+        for name, t in iter_safetensors(path)
+    }
+
+
+def _cmd_digest(args: argparse.Namespace) -> int:
+    table = _digests(args.path)
+    if args.json:
+        print(json.dumps({n: d for n, (_, _, d) in sorted(table.items())}, indent=1))
+    else:
+        for name, (dtype, shape, digest) in sorted(table.items()):
+            print(f"{digest}  {name}  {dtype}{shape}")
+    return EXIT_OK
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    a, b = _digests(args.a), _digests(args.b)
+    only_a = sorted(set(a) - set(b))
+    only_b = sorted(set(b) - set(a))
+    changed = sorted(n for n in set(a) & set(b) if a[n] != b[n])
+    for name in only_a:
+        print(f"only in A: {name}")
+    for name in only_b:
+        print(f"only in B: {name}")
+    for name in changed:
+        (da, sa, _), (db, sb, _) = a[name], b[name]
+        what = "bits" if (da, sa) == (db, sb) else f"{da}{sa} vs {db}{sb}"
+        print(f"differs ({what}): {name}")
+    if only_a or only_b or changed:
+        print(
+            f"{len(changed)} differ, {len(only_a)} only in A, {len(only_b)} only in B "
+            f"({len(set(a) & set(b))} in both)"
+        )
+        return EXIT_DIFFERENT
+    print(f"identical: {len(a)} tensors, bit for bit")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; each subcommand sets ``func`` (Namespace -> exit code)."""
+    parser = argparse.ArgumentParser(
+        prog="miles-transfer",
+        description="Inspect and compare HF safetensors checkpoints bit for bit.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("digest", help="print a digest per tensor of a checkpoint")
+    p.add_argument("path", help="a .safetensors file or an HF checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print {name: digest} as JSON")
+    p.set_defaults(func=_cmd_digest)
+
+    p = sub.add_parser(
+        "compare", help="compare two checkpoints tensor by tensor (exit 1 if any differ)"
+    )
+    p.add_argument("a", help="checkpoint A (file or directory)")
+    p.add_argument("b", help="checkpoint B (file or directory)")
+    p.set_defaults(func=_cmd_compare)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except (ValueError, OSError) as e:
+        print(f"miles-transfer {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
