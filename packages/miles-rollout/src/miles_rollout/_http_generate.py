@@ -1,0 +1,153 @@
+"""The ``/generate`` request and response shapes (SGLang's ``GenerateReqInput`` subset)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from miles_rollout.outputs import GenerateOutput
+from miles_rollout.sampling_params import SamplingParams
+
+__all__ = ["GenerateItem", "ParsedGenerate", "parse_generate", "response_dict"]
+
+# GenerateReqInput fields this server implements.
+_SUPPORTED = {
+    "input_ids",
+    "text",
+    "sampling_params",
+    "return_logprob",
+    "rid",
+    "stream",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "data_parallel_rank",
+    "routed_dp_rank",
+}
+# Fields accepted only with a neutral value (routers re-serialise requests and may add them).
+_NEUTRAL: tuple[Any, ...] = (None, False, 0, -1, "", [], {})
+
+
+@dataclass(slots=True)
+class GenerateItem:
+    """One prompt of a (possibly batched) ``/generate`` request."""
+
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool
+    rid: str | None
+    text_in_logprobs: bool
+
+
+@dataclass(slots=True)
+class ParsedGenerate:
+    items: list[GenerateItem]
+    is_batch: bool
+
+
+def parse_generate(body: dict[str, Any], tokenizer: Any) -> ParsedGenerate:
+    """Validate a ``/generate`` body; raise ``ValueError`` with a clear message otherwise."""
+    extra = {k: v for k, v in body.items() if k not in _SUPPORTED}
+    bad = sorted(k for k, v in extra.items() if not any(_same(v, n) for n in _NEUTRAL))
+    if bad:
+        raise ValueError(
+            f"/generate fields not supported by the miles-rollout server: {bad}; supported: "
+            f"{sorted(_SUPPORTED)}"
+        )
+    if body.get("stream"):
+        raise ValueError("stream=true is not supported by the miles-rollout server; omit it")
+    if body.get("logprob_start_len") not in (None, -1):
+        raise ValueError(
+            "logprob_start_len (input-token logprobs) is not supported; only output-token "
+            "logprobs are returned"
+        )
+    if body.get("top_logprobs_num") not in (None, 0):
+        raise ValueError("top_logprobs_num is not supported; only sampled-token logprobs")
+    if body.get("data_parallel_rank") not in (None, 0) or body.get("routed_dp_rank") not in (
+        None,
+        0,
+    ):
+        raise ValueError("this server has dp_size 1; data_parallel_rank must be 0 or absent")
+
+    prompts, is_batch = _prompts(body, tokenizer)
+    n = len(prompts)
+    params = _per_item(body.get("sampling_params"), n, "sampling_params")
+    logprob = _per_item(body.get("return_logprob"), n, "return_logprob")
+    rids = _per_item(body.get("rid"), n, "rid")
+    if is_batch and isinstance(body.get("rid"), str):
+        rids = [f"{body['rid']}_{i}" for i in range(n)]
+    text_lp = bool(body.get("return_text_in_logprobs", False))
+    items = []
+    for i in range(n):
+        rid = rids[i]
+        if rid is not None and not isinstance(rid, str):
+            raise ValueError(f"rid must be a string, got {rid!r}")
+        items.append(
+            GenerateItem(
+                input_ids=prompts[i],
+                sampling_params=SamplingParams.from_dict(params[i]),
+                return_logprob=bool(logprob[i]),
+                rid=rid,
+                text_in_logprobs=text_lp,
+            )
+        )
+    return ParsedGenerate(items=items, is_batch=is_batch)
+
+
+def response_dict(
+    out: GenerateOutput, item: GenerateItem, tokenizer: Any, latency: float
+) -> dict[str, Any]:
+    """SGLang's non-streaming ``/generate`` response for one prompt."""
+    meta: dict[str, Any] = {
+        "id": out.rid,
+        "finish_reason": out.finish_reason.to_json(),
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": 0,
+        "weight_version": out.weight_version,
+        "e2e_latency": latency,
+    }
+    if item.return_logprob:
+        assert out.output_logprobs is not None
+        texts: list[str | None]
+        if item.text_in_logprobs and tokenizer is not None:
+            texts = [tokenizer.decode([t]) for t in out.output_ids]
+        else:
+            texts = [None] * len(out.output_ids)
+        meta["output_token_logprobs"] = [
+            [lp, tok, txt] for lp, tok, txt in zip(out.output_logprobs, out.output_ids, texts)
+        ]
+    resp: dict[str, Any] = {"output_ids": out.output_ids, "meta_info": meta}
+    if out.text is not None:
+        resp["text"] = out.text
+    return resp
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    return type(value) is type(neutral) and value == neutral
+
+
+def _prompts(body: dict[str, Any], tokenizer: Any) -> tuple[list[list[int]], bool]:
+    ids, text = body.get("input_ids"), body.get("text")
+    if (ids is None) == (text is None):
+        raise ValueError("give exactly one of input_ids and text")
+    if text is not None:
+        if tokenizer is None:
+            raise ValueError("text input needs a tokenizer and this model has none; send input_ids")
+        texts = [text] if isinstance(text, str) else text
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise ValueError("text must be a string or a list of strings")
+        return [list(tokenizer.encode(t)) for t in texts], not isinstance(text, str)
+    if not isinstance(ids, list):
+        raise ValueError(f"input_ids must be a list, got {type(ids).__name__}")
+    if ids and all(isinstance(row, list) for row in ids):
+        return ids, True
+    return [ids], False
+
+
+def _per_item(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n

@@ -1,0 +1,299 @@
+"""A fast step-by-step forward pass for Llama-style HF models over a slot-based KV cache.
+
+Why not call the HF model: for the small models a CPU rollout runs, the per-call overhead of
+``model.forward`` (mask construction, cache objects, many small ops) costs as much as the
+matmuls. This module reads the weights of the loaded HF module directly (so a weight update of
+the HF parameters is seen here after :meth:`CausalLMRunner.refresh_weights`), fuses the q/k/v
+and gate/up projections, and keeps one pre-allocated KV cache in which every running request
+owns one row ("slot"). The maths follows ``transformers``' Qwen3 / Qwen2 / Llama code exactly
+(RMSNorm in float32, HF's rotary tables), so logprobs match a teacher-forced HF forward pass up
+to float rounding (see the package README for the measured tolerance).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMRunner"]
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+# Rope types whose tables do not change with the sequence length at run time.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# The KV cache grows in steps of this many positions (and doubles past it).
+_T_ALIGN = 128
+
+
+def check_supported(config: Any) -> None:
+    """Raise ``ValueError`` if the runner cannot serve this HF config exactly."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported by the embedded engine; supported: "
+            f"{list(SUPPORTED_MODEL_TYPES)}. Serve other models with SGLang and use "
+            "SGLangClient."
+        )
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) or getattr(
+        config, "use_sliding_window", False
+    ):
+        raise ValueError("sliding-window attention is not supported by the embedded engine")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported; supported: {list(_STATIC_ROPE_TYPES)}"
+        )
+
+
+class _Layer:
+    """The tensors of one decoder layer, in the layout the fast forward wants."""
+
+    __slots__ = (
+        "bo",
+        "bqkv",
+        "down",
+        "down_b",
+        "gate_up",
+        "gate_up_b",
+        "in_eps",
+        "in_w",
+        "k_norm",
+        "o",
+        "post_eps",
+        "post_w",
+        "q_norm",
+        "qk_eps",
+        "wqkv",
+    )
+
+    def __init__(self, layer: Any) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.in_w: torch.Tensor = layer.input_layernorm.weight
+        self.in_eps: float = layer.input_layernorm.variance_epsilon
+        self.post_w: torch.Tensor = layer.post_attention_layernorm.weight
+        self.post_eps: float = layer.post_attention_layernorm.variance_epsilon
+        self.wqkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        self.bqkv = (
+            torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+            if attn.q_proj.bias is not None
+            else None
+        )
+        self.o: torch.Tensor = attn.o_proj.weight
+        self.bo: torch.Tensor | None = attn.o_proj.bias
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        self.q_norm: torch.Tensor | None = q_norm.weight if q_norm is not None else None
+        self.k_norm: torch.Tensor | None = k_norm.weight if k_norm is not None else None
+        self.qk_eps: float = q_norm.variance_epsilon if q_norm is not None else 0.0
+        self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.gate_up_b = (
+            torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+            if mlp.gate_proj.bias is not None
+            else None
+        )
+        self.down: torch.Tensor = mlp.down_proj.weight
+        self.down_b: torch.Tensor | None = mlp.down_proj.bias
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order and precision as transformers' RMSNorm (float32, then back).
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class CausalLMRunner:
+    """Prefill and decode for a batch of requests, each owning one row of the KV cache.
+
+    Row ``i`` of the cache holds the keys/values of request ``i`` at positions
+    ``0 .. len_i - 1``; positions past a row's length hold garbage and are masked out.
+    All methods must be called from one thread under ``torch.inference_mode()``.
+    """
+
+    def __init__(self, model: Any, *, max_batch: int, context_length: int) -> None:
+        check_supported(model.config)
+        cfg = model.config
+        self.model = model
+        self.dtype: torch.dtype = next(model.parameters()).dtype
+        self.max_batch = max_batch
+        self.context_length = context_length
+        self.num_heads: int = cfg.num_attention_heads
+        self.num_kv_heads: int = cfg.num_key_value_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or (
+            cfg.hidden_size // cfg.num_attention_heads
+        )
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.scale: float = model.model.layers[0].self_attn.scaling
+        self._q_size = self.num_heads * self.head_dim
+        self._kv_size = self.num_kv_heads * self.head_dim
+        with torch.inference_mode():
+            dummy = torch.zeros(1, dtype=torch.float32)
+            positions = torch.arange(context_length)[None]
+            cos, sin = model.model.rotary_emb(dummy, positions)
+            self._cos = cos[0].to(self.dtype)
+            self._sin = sin[0].to(self.dtype)
+        self._layers: list[_Layer] = []
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self._batch_cap = 0
+        self._token_cap = 0
+        self.refresh_weights()
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def refresh_weights(self) -> None:
+        """Rebuild the fused projections from the HF module (after any weight update)."""
+        with torch.inference_mode():
+            inner = self.model.model
+            self._embed: torch.Tensor = inner.embed_tokens.weight
+            self._norm_w: torch.Tensor = inner.norm.weight
+            self._norm_eps: float = inner.norm.variance_epsilon
+            self._lm_head: torch.Tensor = self.model.get_output_embeddings().weight
+            self._layers = [_Layer(layer) for layer in inner.layers]
+
+    # ---- cache -----------------------------------------------------------------------------
+
+    def ensure_capacity(self, batch: int, tokens: int) -> None:
+        """Grow the KV cache to hold ``batch`` rows of ``tokens`` positions (keeps contents)."""
+        assert batch <= self.max_batch, (batch, self.max_batch)
+        assert tokens <= self.context_length, (tokens, self.context_length)
+        if batch <= self._batch_cap and tokens <= self._token_cap:
+            return
+        new_b = min(self.max_batch, max(batch, 2 * self._batch_cap, 8))
+        new_t = self._token_cap
+        while new_t < tokens:
+            new_t = max(_T_ALIGN, 2 * new_t)
+        new_t = min(new_t, self.context_length)
+        shape = (new_b, self.num_kv_heads, new_t, self.head_dim)
+        old_b, old_t = self._batch_cap, self._token_cap
+        for cache in (self._k, self._v):
+            for i in range(len(self._layers)):
+                fresh = torch.zeros(shape, dtype=self.dtype)
+                if i < len(cache):
+                    fresh[:old_b, :, :old_t] = cache[i]
+                    cache[i] = fresh
+                else:
+                    cache.append(fresh)
+        self._batch_cap, self._token_cap = new_b, new_t
+
+    def release(self) -> None:
+        """Free the KV cache memory (only when no request is running)."""
+        self._k, self._v = [], []
+        self._batch_cap = self._token_cap = 0
+
+    def move_rows(self, dst: list[int], src: list[int]) -> None:
+        """Copy cache rows ``src`` onto rows ``dst`` (used to compact the batch)."""
+        if not dst:
+            return
+        d, s = torch.tensor(dst), torch.tensor(src)
+        for cache in (self._k, self._v):
+            for t in cache:
+                t[d] = t[s]
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
+        """Run ``prompts`` into rows ``first_row ..``; return float32 logits at each last token.
+
+        Prompts are right-padded to a common length: with causal attention, no real position
+        attends to a pad position, so no padding mask is needed; the cache keeps the pad
+        positions as garbage past each row's length.
+        """
+        m = len(prompts)
+        lens = [len(p) for p in prompts]
+        width = max(lens)
+        self.ensure_capacity(first_row + m, width)
+        ids = torch.zeros(m, width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        x = F.embedding(ids, self._embed)  # [m, W, hidden]
+        cos = self._cos[:width]
+        sin = self._sin[:width]
+        rows = slice(first_row, first_row + m)
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        for li, layer in enumerate(self._layers):
+            h = _rms(x, layer.in_w, layer.in_eps)
+            qkv = F.linear(h, layer.wqkv, layer.bqkv)
+            q = qkv[..., : self._q_size].view(m, width, nh, hd)
+            k = qkv[..., self._q_size : self._q_size + self._kv_size].view(m, width, nkv, hd)
+            v = qkv[..., self._q_size + self._kv_size :].view(m, width, nkv, hd)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = _rms(q, layer.q_norm, layer.qk_eps)
+                k = _rms(k, layer.k_norm, layer.qk_eps)
+            q = _rope(q.transpose(1, 2), cos, sin)  # [m, H, W, D]
+            k = _rope(k.transpose(1, 2), cos, sin)
+            v = v.transpose(1, 2)
+            self._k[li][rows, :, :width] = k
+            self._v[li][rows, :, :width] = v
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=nh != nkv
+            )
+            o = o.transpose(1, 2).reshape(m, width, self._q_size)
+            x = x + F.linear(o, layer.o, layer.bo)
+            x = x + self._mlp(x, layer)
+        last = x[torch.arange(m), torch.tensor(lens) - 1]  # [m, hidden]
+        return self._logits(last)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
+        """One decode step for rows ``0 .. n-1``; return float32 logits ``[n, vocab]``.
+
+        Args:
+            tokens: ``[n]`` the token fed to each row (its last sampled token).
+            positions: ``[n]`` where that token goes (the row's current length).
+            max_len: ``max(positions) + 1`` (passed in to avoid a tensor-to-Python sync).
+        """
+        n = tokens.shape[0]
+        self.ensure_capacity(n, max_len)
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        rows = torch.arange(n)
+        x = F.embedding(tokens, self._embed)  # [n, hidden]
+        cos = self._cos[positions][:, None, :]  # [n, 1, D]
+        sin = self._sin[positions][:, None, :]
+        visible = torch.arange(max_len)[None, :] <= positions[:, None]  # [n, T]
+        mask = visible[:, None, None, :]
+        for li, layer in enumerate(self._layers):
+            h = _rms(x, layer.in_w, layer.in_eps)
+            qkv = F.linear(h, layer.wqkv, layer.bqkv)
+            q = qkv[:, : self._q_size].view(n, nh, hd)
+            k = qkv[:, self._q_size : self._q_size + self._kv_size].view(n, nkv, hd)
+            v = qkv[:, self._q_size + self._kv_size :].view(n, nkv, hd)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = _rms(q, layer.q_norm, layer.qk_eps)
+                k = _rms(k, layer.k_norm, layer.qk_eps)
+            q = _rope(q, cos, sin)
+            k = _rope(k, cos, sin)
+            kc, vc = self._k[li], self._v[li]
+            kc[rows, :, positions] = k
+            vc[rows, :, positions] = v
+            o = F.scaled_dot_product_attention(
+                q[:, :, None, :],
+                kc[:n, :, :max_len],
+                vc[:n, :, :max_len],
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=nh != nkv,
+            )
+            x = x + F.linear(o.reshape(n, self._q_size), layer.o, layer.bo)
+            x = x + self._mlp(x, layer)
+        return self._logits(x)
+
+    def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        h = _rms(x, layer.post_w, layer.post_eps)
+        gate, up = F.linear(h, layer.gate_up, layer.gate_up_b).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down, layer.down_b)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = _rms(x, self._norm_w, self._norm_eps)
+        return F.linear(x, self._lm_head).float()

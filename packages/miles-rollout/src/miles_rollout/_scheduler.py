@@ -1,0 +1,313 @@
+"""The continuous-batching loop: one thread owns the model, the KV cache and every request.
+
+Other threads talk to it only through :meth:`Scheduler.add` (a new request) and
+:meth:`Scheduler.call` (run a function on the scheduler thread between two steps: pause,
+weight updates, checksums). Each iteration admits waiting requests (one batched prefill),
+then runs one decode step over every running request; finished requests leave the batch at
+once and their cache rows are refilled by compaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from miles_rollout._model import CausalLMRunner
+from miles_rollout._sampling import BatchSampler, uniform
+from miles_rollout.outputs import FinishReason, GenerateOutput
+from miles_rollout.sampling_params import SamplingParams
+
+__all__ = ["PauseMode", "Request", "Scheduler"]
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "retract", "in_place"]
+T = TypeVar("T")
+
+# Upper bound on padded prompt tokens in one prefill forward (bounds activation memory).
+_PREFILL_TOKEN_BUDGET = 8192
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One request's state. Owned by the scheduler thread after :meth:`Scheduler.add`."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    seed: int
+    future: Future[GenerateOutput]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(eq=False, slots=True)
+class _Call:
+    fn: Callable[[], Any]
+    future: Future[Any]
+
+
+class Scheduler:
+    """Runs requests on a :class:`CausalLMRunner` in a background thread."""
+
+    def __init__(
+        self,
+        runner: CausalLMRunner,
+        *,
+        max_running: int,
+        tokenizer: Any,
+        weight_version: Callable[[], str],
+    ) -> None:
+        self.runner = runner
+        self.max_running = max_running
+        self.tokenizer = tokenizer
+        self._weight_version = weight_version
+        self._inbox: queue.SimpleQueue[Request | _Call | None] = queue.SimpleQueue()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.paused = False
+        self._stopping = False
+        self._sampler: BatchSampler | None = None
+        self._thread = threading.Thread(target=self._main, name="miles-engine", daemon=True)
+        self._thread.start()
+
+    # ---- API for other threads ---------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        """Queue a validated request."""
+        self._inbox.put(req)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the scheduler thread between two steps and return its result."""
+        assert threading.current_thread() is not self._thread, "call() from the engine thread"
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine is shut down")
+        fut: Future[T] = Future()
+        self._inbox.put(_Call(fn, fut))
+        return fut.result()
+
+    def stop(self) -> None:
+        """Abort every request and end the thread."""
+        if self._thread.is_alive():
+            self._inbox.put(None)
+            self._thread.join()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- operations (run on the scheduler thread through call()) ----------------------------
+
+    def pause(self, mode: PauseMode) -> None:
+        """Stop stepping. ``abort`` ends every request, ``retract`` frees the batch."""
+        self.paused = True
+        if mode == "abort":
+            self.abort_all("aborted by pause_generation(mode='abort')")
+        elif mode == "retract":
+            # Retracted requests keep their output and are re-prefilled (prompt + output) on
+            # continue; they go back to the front of the queue in their current order.
+            self.waiting.extendleft(reversed(self.running))
+            self.running = []
+            self._sampler = None
+
+    def abort_all(self, message: str) -> int:
+        """Finish every running and waiting request with finish reason ``abort``."""
+        reqs = [*self.running, *self.waiting]
+        self.running, self._sampler = [], None
+        self.waiting.clear()
+        for req in reqs:
+            self._finish(req, FinishReason(type="abort", message=message))
+        return len(reqs)
+
+    def abort(self, rid: str) -> bool:
+        """Abort one request by id; return whether it was found."""
+        for i, req in enumerate(self.running):
+            if req.rid == rid:
+                self._remove_rows([i])
+                self._finish(req, FinishReason(type="abort", message="aborted by request"))
+                return True
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._finish(req, FinishReason(type="abort", message="aborted by request"))
+                return True
+        return False
+
+    def flush_cache(self) -> bool:
+        """Free the KV cache memory when idle (SGLang refuses while requests are in flight)."""
+        if self.running or self.waiting:
+            return False
+        self.runner.release()
+        return True
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        with torch.inference_mode():
+            while not self._stopping:
+                self._drain(block=self.paused or not (self.running or self.waiting))
+                if self._stopping or self.paused:
+                    continue
+                try:
+                    self._drop_cancelled()
+                    self._admit()
+                    if self.running:
+                        self._decode_step()
+                except Exception as exc:  # a bug or resource error: fail in-flight requests
+                    logger.exception("engine step failed; failing in-flight requests")
+                    reqs = [*self.running, *self.waiting]
+                    self.running, self._sampler = [], None
+                    self.waiting.clear()
+                    for req in reqs:
+                        if not req.future.done():
+                            req.future.set_exception(exc)
+            self.abort_all("the engine was shut down")
+            while True:  # fail calls that raced with shutdown
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(msg, _Call):
+                    msg.future.set_exception(RuntimeError("the engine is shut down"))
+                elif isinstance(msg, Request):
+                    self._finish(msg, FinishReason(type="abort", message="engine shut down"))
+
+    def _drain(self, *, block: bool) -> None:
+        while True:
+            try:
+                msg = self._inbox.get(timeout=None) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if msg is None:
+                self._stopping = True
+                return
+            if isinstance(msg, Request):
+                if msg.max_new_tokens == 0:
+                    self._finish(msg, FinishReason(type="length", length=0))
+                else:
+                    self.waiting.append(msg)
+                continue
+            try:
+                result = msg.fn()
+            except BaseException as exc:
+                msg.future.set_exception(exc)
+            else:
+                msg.future.set_result(result)
+
+    def _drop_cancelled(self) -> None:
+        gone = [i for i, r in enumerate(self.running) if r.future.cancelled()]
+        if gone:
+            self._remove_rows(gone)
+        if any(r.future.cancelled() for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if not r.future.cancelled())
+
+    def _admit(self) -> None:
+        batch: list[Request] = []
+        width = 0
+        free = self.max_running - len(self.running)
+        while self.waiting and len(batch) < free:
+            req = self.waiting[0]
+            length = len(req.prompt) + len(req.output_ids)
+            if batch and max(width, length) * (len(batch) + 1) > _PREFILL_TOKEN_BUDGET:
+                break
+            width = max(width, length)
+            batch.append(self.waiting.popleft())
+        if not batch:
+            return
+        first = len(self.running)
+        logits = self.runner.prefill(first, [r.prompt + r.output_ids for r in batch])
+        self.running.extend(batch)
+        self._sampler = None
+        self._sample_and_finish(logits, rows=range(first, first + len(batch)))
+
+    def _decode_step(self) -> None:
+        reqs = self.running
+        positions = [len(r.prompt) + len(r.output_ids) - 1 for r in reqs]
+        tokens = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long)
+        logits = self.runner.decode(tokens, torch.tensor(positions), max(positions) + 1)
+        self._sample_and_finish(logits, rows=range(len(reqs)))
+
+    def _sample_and_finish(self, logits: torch.Tensor, rows: range) -> None:
+        reqs = self.running[rows.start : rows.stop]
+        if rows.start == 0 and rows.stop == len(self.running):
+            if self._sampler is None:
+                self._sampler = BatchSampler([r.params for r in reqs], self.runner.vocab_size)
+            sampler = self._sampler
+        else:
+            sampler = BatchSampler([r.params for r in reqs], self.runner.vocab_size)
+        uniforms = [uniform(r.seed, len(r.output_ids)) for r in reqs]
+        tok_t, lp_t = sampler.sample(logits, uniforms)
+        finished: list[tuple[int, FinishReason]] = []
+        for i, req, tok, lp in zip(rows, reqs, tok_t.tolist(), lp_t.tolist()):
+            req.output_ids.append(tok)
+            req.output_logprobs.append(lp)
+            reason = self._check_finished(req, tok)
+            if reason is not None:
+                finished.append((i, reason))
+        if finished:
+            self._remove_rows([i for i, _ in finished])
+            for i, reason in finished:
+                # _remove_rows reorders self.running, so look requests up before it: they are
+                # the ones captured in ``reqs``.
+                self._finish(reqs[i - rows.start], reason)
+
+    def _check_finished(self, req: Request, tok: int) -> FinishReason | None:
+        # SGLang's order: the length limit first, then stop tokens, then stop strings.
+        n_out = len(req.output_ids)
+        if n_out >= req.max_new_tokens:
+            return FinishReason(type="length", length=n_out)
+        if tok in req.stop_ids:
+            return FinishReason(type="stop", matched=tok)
+        if req.params.stop:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            for s in req.params.stop:
+                if s in text:
+                    return FinishReason(type="stop", matched=s)
+        return None
+
+    def _remove_rows(self, rows: list[int]) -> None:
+        """Drop rows from the running batch, moving tail rows into the holes."""
+        gone = set(rows)
+        n_keep = len(self.running) - len(gone)
+        holes = [i for i in range(n_keep) if i in gone]
+        movers = [i for i in range(n_keep, len(self.running)) if i not in gone]
+        assert len(holes) == len(movers)
+        self.runner.move_rows(holes, movers)
+        new = self.running[:n_keep]
+        for h, m in zip(holes, movers):
+            new[h] = self.running[m]
+        self.running = new
+        self._sampler = None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.future.done():  # cancelled by its caller
+            return
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            if reason.type == "stop" and isinstance(reason.matched, str):
+                text = text[: text.find(reason.matched)] if reason.matched in text else text
+        out = GenerateOutput(
+            output_ids=list(req.output_ids),
+            output_logprobs=list(req.output_logprobs) if req.return_logprob else None,
+            finish_reason=reason,
+            weight_version=self._weight_version(),
+            prompt_tokens=len(req.prompt),
+            completion_tokens=len(req.output_ids),
+            rid=req.rid,
+            text=text,
+        )
+        with contextlib.suppress(InvalidStateError):  # cancelled since the check above
+            req.future.set_result(out)

@@ -1,0 +1,68 @@
+"""``miles-rollout serve``: the embedded engine behind SGLang's HTTP API.
+
+Why: drivers, routers and tests can talk to one HTTP API whether the engine is a real SGLang
+server on GPUs or this CPU engine on a laptop.
+
+Laptop:   miles-rollout serve --model-path ./tiny-qwen3 --port 30000
+Cluster:  run SGLang itself (``python -m sglang.launch_server``); the client code is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="miles-rollout", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a local HF checkpoint over SGLang's HTTP API")
+    s.add_argument("--model-path", required=True, help="local HF checkpoint directory")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    s.add_argument("--max-running-requests", type=int, default=64)
+    s.add_argument("--context-length", type=int, default=None)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--num-threads", type=int, default=None)
+    s.add_argument("--weight-version", default="0")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    args = _parser().parse_args(argv)
+    from miles_rollout.config import EngineConfig
+    from miles_rollout.server import serve
+
+    try:
+        config = EngineConfig(
+            model_path=args.model_path,
+            dtype=args.dtype,
+            max_running_requests=args.max_running_requests,
+            context_length=args.context_length,
+            seed=args.seed,
+            num_threads=args.num_threads,
+            weight_version=args.weight_version,
+        )
+        engine = config.build()
+    except ValueError as exc:
+        print(f"miles-rollout: error: {exc}", file=sys.stderr)
+        return 2
+    handle = serve(engine, host=args.host, port=args.port)
+    print(f"miles-rollout serving {engine.model_path} at {handle.url}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    handle.close()
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

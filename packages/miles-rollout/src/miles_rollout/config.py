@@ -1,0 +1,70 @@
+"""Configuration of the embedded engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from miles_rollout.engine import Engine
+
+__all__ = ["EngineConfig"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """How to build an embedded CPU :class:`~miles_rollout.Engine`.
+
+    Attributes:
+        model_path: a local HF checkpoint directory (``config.json`` plus ``*.safetensors``);
+            the tokenizer is loaded from the same directory when its files are there.
+        dtype: the precision the engine serves and computes in: ``"float32"`` or
+            ``"bfloat16"``. Logits are always turned into logprobs in float32.
+        max_running_requests: the most requests decoded together in one batch; more wait.
+        context_length: the most tokens (prompt plus output) one request may hold. ``None``
+            takes the model's ``max_position_embeddings``; a larger value is rejected.
+        seed: seeds the engine's random stream, from which every request without its own
+            ``SamplingParams.seed`` draws one.
+        num_threads: if set, ``torch.set_num_threads(num_threads)`` at start-up. Torch's
+            thread pool is per process, so this affects every torch user in the process.
+        weight_version: the version string reported with the initial weights.
+    """
+
+    model_path: str
+    dtype: str = "float32"
+    max_running_requests: int = 64
+    context_length: int | None = None
+    seed: int = 0
+    num_threads: int | None = None
+    weight_version: str = "0"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_path, str) or not self.model_path:
+            raise ValueError(f"model_path must be a non-empty string, got {self.model_path!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_running_requests < 1:
+            raise ValueError(
+                f"max_running_requests must be at least 1, got {self.max_running_requests}"
+            )
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be at least 2, got {self.context_length}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if not isinstance(self.weight_version, str):
+            raise ValueError(f"weight_version must be a string, got {self.weight_version!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The ``torch.dtype`` named by :attr:`dtype`."""
+        return _DTYPES[self.dtype]
+
+    def build(self) -> Engine:
+        """Load the model and start the engine (see :class:`~miles_rollout.Engine`)."""
+        from miles_rollout.engine import Engine
+
+        return Engine(self)

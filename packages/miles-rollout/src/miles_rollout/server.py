@@ -1,0 +1,393 @@
+"""An HTTP server that exposes an :class:`~miles_rollout.Engine` with SGLang's native API.
+
+    handle = serve(engine)            # background thread; handle.url, handle.close()
+
+Field names follow SGLang 0.5.x (``http_server.py`` / ``io_struct.py``); the endpoint table and
+what was checked how are in the package README. Errors are JSON ``{"error": {"message": ...}}``
+(400 for bad input, 500 otherwise), as SGLang's ``_create_error_response`` shapes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+import miles_transfer
+from miles_rollout._http_generate import parse_generate, response_dict
+from miles_rollout.engine import Engine
+from miles_rollout.sampling_params import SamplingParams
+
+__all__ = ["ServerHandle", "serve"]
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_GENERATE_TIMEOUT_S = 20.0
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _NotImplementedHereError(Exception):
+    """An SGLang feature this server does not provide (HTTP 501)."""
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    except _NotImplementedHereError as exc:
+        return _error(501, str(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # never an HTML stack trace: log it, answer JSON
+        logger.exception("request %s %s failed", request.method, request.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ValueError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _pop_known(body: dict[str, Any], allowed: set[str], endpoint: str) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ValueError(f"unknown fields for {endpoint}: {unknown}; allowed: {sorted(allowed)}")
+
+
+class _Routes:
+    """The request handlers; blocking engine calls run in the default executor."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def _run(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        start = time.monotonic()
+        parsed = parse_generate(body, self.engine.tokenizer)
+        futures = []
+        try:
+            for item in parsed.items:
+                futures.append(
+                    self.engine.submit(
+                        item.input_ids,
+                        item.sampling_params,
+                        return_logprob=item.return_logprob,
+                        rid=item.rid,
+                    )
+                )
+            outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+        latency = time.monotonic() - start
+        results = [
+            response_dict(out, item, self.engine.tokenizer, latency)
+            for out, item in zip(outs, parsed.items)
+        ]
+        return web.json_response(results if parsed.is_batch else results[0])
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.engine.health() else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if not self.engine.health():
+            return web.Response(status=503)
+        state = self.engine.server_info()["internal_states"][0]
+        if state["paused"] or state["num_running_reqs"]:
+            return web.Response(status=200)  # busy or paused: the thread is alive, as SGLang
+        fut = self.engine.submit([0], SamplingParams(max_new_tokens=1, temperature=0.0))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(fut), _HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.engine.model_info())
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.engine.server_info())
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        state = self.engine.server_info()["internal_states"][0]
+        running, waiting = state["num_running_reqs"], state["num_waiting_reqs"]
+        return web.json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": running + waiting,
+                    "num_waiting_reqs": waiting,
+                    "load": running + waiting,
+                }
+            ]
+        )
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.engine.weight_version})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        ok = await self._run(self.engine.flush_cache)
+        text = (
+            "Cache flushed.\n"
+            if ok
+            else "Cache not flushed: there are running or waiting requests.\n"
+        )
+        return web.Response(text=text, status=200 if ok else 400)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        _pop_known(body, {"mode", "rid"}, "/pause_generation")
+        mode = body.get("mode") or "abort"  # SGLang's default for the HTTP endpoint
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"mode must be one of abort, retract, in_place; got {mode!r}")
+        await self._run(lambda: self.engine.pause_generation(mode))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self._run(self.engine.continue_generation)
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        _pop_known(body, {"rid", "abort_all"}, "/abort_request")
+        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
+        await self._run(lambda: self.engine.abort_request(rid or None, abort_all=abort_all))
+        return web.Response(status=200)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        allowed = {
+            "model_path",
+            "load_format",
+            "abort_all_requests",
+            "weight_version",
+            "flush_cache",
+            "is_async",
+            "torch_empty_cache",
+            "keep_pause",
+            "recapture_cuda_graph",
+            "token_step",
+            "rid",
+        }
+        _pop_known(body, allowed, "/update_weights_from_disk")
+        model_path = body.get("model_path")
+        if not isinstance(model_path, str) or not model_path:
+            raise ValueError("model_path (a checkpoint directory) is required")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise ValueError(f"load_format {body['load_format']!r} is not supported here")
+        version = body.get("weight_version")
+        try:
+            await self._run(
+                lambda: self.engine.update_weights_from_disk(
+                    model_path,
+                    weight_version=version,
+                    abort_all_requests=bool(body.get("abort_all_requests", False)),
+                )
+            )
+        except ValueError as exc:
+            return web.json_response(
+                {"success": False, "message": str(exc), "num_paused_requests": 0}, status=400
+            )
+        message = "Succeeded to update model weights."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        allowed = {
+            "serialized_named_tensors",
+            "load_format",
+            "flush_cache",
+            "abort_all_requests",
+            "weight_version",
+            "disable_draft_model",
+            "torch_empty_cache",
+            "rid",
+        }
+        _pop_known(body, allowed, "/update_weights_from_tensor")
+        decode = getattr(miles_transfer, "deserialize_named_tensors", None)
+        if decode is None:
+            raise _NotImplementedHereError(
+                "update_weights_from_tensor needs miles_transfer.deserialize_named_tensors, "
+                "which this miles-transfer version lacks; upgrade miles-transfer"
+            )
+        payloads = body.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or len(payloads) != 1:
+            raise ValueError(
+                "serialized_named_tensors must be a list with one payload per TP rank; this "
+                f"server has tp_size 1, got {type(payloads).__name__} of "
+                f"{len(payloads) if isinstance(payloads, list) else '?'}"
+            )
+        load_format = body.get("load_format")
+        version = body.get("weight_version")
+        try:
+            named = decode(payloads[0], load_format=load_format)
+            if body.get("abort_all_requests"):
+                await self._run(lambda: self.engine.abort_request(abort_all=True))
+            await self._run(
+                lambda: self.engine.update_weights_from_tensor(
+                    named,
+                    weight_version=version,
+                    flush_cache=bool(body.get("flush_cache", True)),
+                )
+            )
+        except ValueError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        message = "Succeeded to update model weights."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": message})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        _pop_known(body, {"new_version", "abort_all_requests", "rid"}, "/update_weight_version")
+        new_version = body.get("new_version")
+        if not isinstance(new_version, str):
+            raise ValueError("new_version (a string) is required")
+        if body.get("abort_all_requests"):
+            await self._run(lambda: self.engine.abort_request(abort_all=True))
+        await self._run(lambda: self.engine.update_weight_version(new_version))
+        return web.json_response(
+            {
+                "success": True,
+                "message": f"Weight version updated to {new_version}",
+                "new_version": new_version,
+            }
+        )
+
+    async def weights_checksum(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        _pop_known(body, {"names"}, "/weights_checksum")
+        names = body.get("names")
+        if names is not None and not (
+            isinstance(names, list) and all(isinstance(n, str) for n in names)
+        ):
+            raise ValueError("names must be null or a list of parameter names")
+        return web.json_response(await self._run(lambda: self.engine.weights_checksum(names)))
+
+
+def build_app(engine: Engine) -> web.Application:
+    """The aiohttp application (exposed for embedding in another aiohttp server)."""
+    r = _Routes(engine)
+    app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
+    get, post = web.get, web.post
+    app.add_routes(
+        [
+            post("/generate", r.generate),
+            web.put("/generate", r.generate),
+            get("/health", r.health),
+            get("/health_generate", r.health_generate),
+            get("/get_model_info", r.model_info),
+            get("/model_info", r.model_info),
+            get("/get_server_info", r.server_info),
+            get("/server_info", r.server_info),
+            get("/get_load", r.get_load),
+            get("/get_weight_version", r.weight_version),
+            get("/flush_cache", r.flush_cache),
+            post("/flush_cache", r.flush_cache),
+            post("/pause_generation", r.pause_generation),
+            post("/continue_generation", r.continue_generation),
+            post("/abort_request", r.abort_request),
+            post("/update_weights_from_disk", r.update_weights_from_disk),
+            post("/update_weights_from_tensor", r.update_weights_from_tensor),
+            post("/update_weight_version", r.update_weight_version),
+            post("/weights_checksum", r.weights_checksum),
+        ]
+    )
+    return app
+
+
+class ServerHandle:
+    """A running server: ``url``, ``host``, ``port`` and :meth:`close`."""
+
+    def __init__(self, host: str, port: int, stop: Callable[[], None]) -> None:
+        self.host = host
+        self.port = port
+        self.url = f"http://{host}:{port}"
+        self._stop = stop
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop serving (the engine keeps running; shut it down separately)."""
+        if not self._closed:
+            self._closed = True
+            self._stop()
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
+    """Serve ``engine`` over HTTP from a background thread; return once it accepts requests.
+
+    Args:
+        engine: the engine to expose.
+        host: the address to bind (loopback by default).
+        port: the TCP port; ``0`` picks a free one (see ``handle.port``).
+    """
+    sock = socket.create_server((host, port))
+    bound_port = sock.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    # Cancel a generate handler when its client disconnects, so the engine drops the request.
+    runner = web.AppRunner(build_app(engine), handle_signals=False, handler_cancellation=True)
+    started = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(runner.setup())
+            loop.run_until_complete(web.SockSite(runner, sock).start())
+        except BaseException as exc:
+            failure.append(exc)
+            started.set()
+            return
+        started.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+    thread = threading.Thread(target=run, name=f"miles-http-{bound_port}", daemon=True)
+    thread.start()
+    started.wait()
+    if failure:
+        raise failure[0]
+
+    def stop() -> None:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+
+    return ServerHandle(host, bound_port, stop)

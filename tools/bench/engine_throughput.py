@@ -1,0 +1,148 @@
+"""Generation throughput: the miles-rollout engine vs HF ``model.generate`` on a padded batch.
+
+Why: the RL loop is generation-bound on CPU, and TRL's GRPOTrainer (our named peer) generates
+with ``model.generate`` on one left-padded batch. This script builds a ~10M-parameter Qwen3
+from a config (random weights, no download), then times the same prompts both ways with
+sampling at temperature 1 (no top-k/top-p) and every request forced to ``--new-tokens`` tokens
+(EOS ignored), so both sides produce exactly the same number of tokens.
+
+Laptop:   python tools/bench/engine_throughput.py                # ~1 min on 2 cores
+          python tools/bench/engine_throughput.py --threads 1 --repeat 3
+Cluster:  not meant for GPUs (the embedded engine is CPU-only); benchmark SGLang instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def build_model(args: argparse.Namespace, path: str) -> int:
+    """Write a random Qwen3 checkpoint to ``path``; return its parameter count."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    model = Qwen3ForCausalLM(cfg)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_prompts(args: argparse.Namespace) -> list[list[int]]:
+    rng = random.Random(0)
+    return [
+        [rng.randrange(args.vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+        for _ in range(args.requests)
+    ]
+
+
+def bench_hf(path: str, prompts: list[list[int]], new_tokens: int, dtype: torch.dtype) -> float:
+    """Seconds for one ``model.generate`` call over all prompts (left-padded)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    kwargs = {
+        "do_sample": True,
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
+        "pad_token_id": 0,
+        "eos_token_id": None,
+    }
+    with torch.inference_mode():
+        model.generate(
+            ids[:2], attention_mask=mask[:2], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2}
+        )
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, **kwargs)
+        elapsed = time.perf_counter() - start
+    assert out.shape[1] == width + new_tokens
+    return elapsed
+
+
+def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, dtype: str) -> float:
+    """Seconds for the engine to finish all prompts submitted at once."""
+    from miles_rollout import EngineConfig, SamplingParams
+
+    engine = EngineConfig(model_path=path, dtype=dtype, max_running_requests=len(prompts)).build()
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+        engine.generate(prompts[0][:4], SamplingParams(max_new_tokens=2))
+        start = time.perf_counter()
+        futures = [engine.submit(p, params) for p in prompts]
+        outs = [f.result() for f in futures]
+        elapsed = time.perf_counter() - start
+    finally:
+        engine.shutdown()
+    assert all(o.completion_tokens == new_tokens for o in outs)
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=48)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--repeat", type=int, default=2, help="alternating runs of each side")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    prompts = make_prompts(args)
+    tokens = args.requests * args.new_tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        n_params = build_model(args, tmp)
+        print(
+            f"Qwen3 {n_params / 1e6:.1f}M params, {args.dtype}, {args.requests} requests x "
+            f"{args.new_tokens} new tokens, prompts {args.min_prompt}-{args.max_prompt} tokens, "
+            f"{torch.get_num_threads()} threads"
+        )
+        hf: list[float] = []
+        eng: list[float] = []
+        for _ in range(args.repeat):  # alternate so background load hits both sides alike
+            if not args.skip_hf:
+                hf.append(bench_hf(tmp, prompts, args.new_tokens, dtype))
+            eng.append(bench_engine(tmp, prompts, args.new_tokens, args.dtype))
+        e = statistics.median(eng)
+        print(f"engine       : {tokens / e:8.0f} tok/s  (median of {len(eng)}: {e:.2f} s)")
+        if hf:
+            h = statistics.median(hf)
+            print(f"HF generate  : {tokens / h:8.0f} tok/s  (median of {len(hf)}: {h:.2f} s)")
+            print(f"speed-up     : {h / e:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
