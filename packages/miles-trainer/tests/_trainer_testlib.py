@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from miles_trainer import TrainBatch
+from miles_trainer import FSDPTrainer, LossConfig, TrainBatch, TrainerConfig
 
 VOCAB = 61
 
@@ -84,3 +84,22 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         out[name] = full.clone().cpu()
     return out
+
+
+def scenario_config(model_dir: str) -> TrainerConfig:
+    """The config of the 1-vs-2-process comparison: every loss term on, uneven shares."""
+    return TrainerConfig(
+        model_path=model_dir,
+        lr=1e-3,
+        eps=1e-6,  # see test_trainer_fsdp.EPS
+        micro_batch_size=1,
+        num_minibatches=2,
+        loss=LossConfig(
+            loss_agg="seq-mean-token-mean", kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0
+        ),
+    )
+
+
+def run_scenario(trainer: FSDPTrainer) -> list[dict[str, float]]:
+    """Two train steps on 5-sample batches (ranks get 3 and 2 samples: a filler pass)."""
+    return [trainer.train_step(make_batch(5, seed=s)) for s in (11, 12)]

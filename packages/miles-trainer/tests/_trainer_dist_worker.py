@@ -1,0 +1,38 @@
+"""Worker of test_trainer_distributed: run the scenario under torchrun and save the result.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \
+        _trainer_dist_worker.py MODEL_DIR OUT_DIR
+
+Rank 0 writes OUT_DIR/metrics.json; all ranks write OUT_DIR/ckpt (save_hf_checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from _trainer_testlib import make_batch, run_scenario, scenario_config
+
+from miles_trainer import FSDPTrainer
+
+
+def main() -> None:
+    model_dir, out = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    trainer = FSDPTrainer(scenario_config(model_dir))
+    metrics = run_scenario(trainer)
+    trainer.save_hf_checkpoint(out / "ckpt")
+    # Different batches on different ranks must be refused on every rank.
+    mismatch = ""
+    try:
+        trainer.train_step(make_batch(4, seed=100 + trainer.rank))
+    except ValueError as e:
+        mismatch = str(e)
+    record = {"world_size": trainer.world_size, "metrics": metrics, "mismatch": mismatch}
+    (out / f"rank{trainer.rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
