@@ -78,6 +78,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.paused = False
+        self.generated_tokens = 0  # cumulative, for metrics
         self._stopping = False
         self._sampler: BatchSampler | None = None
         self._thread = threading.Thread(target=self._main, name="miles-engine", daemon=True)
@@ -249,6 +250,7 @@ class Scheduler:
             sampler = BatchSampler([r.params for r in reqs], self.runner.vocab_size)
         uniforms = [uniform(r.seed, len(r.output_ids)) for r in reqs]
         tok_t, lp_t = sampler.sample(logits, uniforms)
+        self.generated_tokens += len(reqs)
         finished: list[tuple[int, FinishReason]] = []
         for i, req, tok, lp in zip(rows, reqs, tok_t.tolist(), lp_t.tolist()):
             req.output_ids.append(tok)

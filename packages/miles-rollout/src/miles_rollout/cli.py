@@ -33,8 +33,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the exit status."""
+def main(argv: list[str] | None = None, *, stop: threading.Event | None = None) -> int:
+    """Run the command line; return the exit status.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+        stop: serve until this is set; by default until SIGINT or SIGTERM.
+    """
     args = _parser().parse_args(argv)
     from miles_rollout.config import EngineConfig
     from miles_rollout.server import serve
@@ -55,10 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     handle = serve(engine, host=args.host, port=args.port)
     print(f"miles-rollout serving {engine.model_path} at {handle.url}", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    if stop is None:
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set() if stop is not None else None)
+    stop.wait()
     handle.close()
     engine.shutdown()
     return 0

@@ -23,6 +23,7 @@ import aiohttp
 from miles_rollout.engine import Engine
 from miles_rollout.outputs import FinishReason, GenerateOutput
 from miles_rollout.sampling_params import SamplingParams
+from miles_transfer import deserialize_named_tensors
 
 __all__ = ["EngineClient", "LocalEngineClient", "SGLangClient", "SGLangHTTPError"]
 
@@ -430,18 +431,12 @@ class LocalEngineClient:
         flush_cache: bool = True,
     ) -> None:
         """Decode payloads as the server does, then :meth:`Engine.update_weights_from_tensor`."""
-        import miles_transfer
-
-        decode = getattr(miles_transfer, "deserialize_named_tensors", None)
-        if decode is None:
-            raise NotImplementedError(
-                "miles_transfer.deserialize_named_tensors is missing; upgrade miles-transfer"
-            )
-        if len(serialized_named_tensors) != 1:
-            raise ValueError(
-                f"expected one payload (tp_size 1), got {len(serialized_named_tensors)}"
-            )
-        named = decode(serialized_named_tensors[0], load_format=load_format)
+        decoded = [
+            deserialize_named_tensors(p, load_format=load_format) for p in serialized_named_tensors
+        ]
+        if len(decoded) != 1:
+            raise ValueError(f"got {len(decoded)} payloads; the engine has tp_size 1")
+        named = decoded[0]
         await self._run(
             lambda: self.engine.update_weights_from_tensor(
                 named, weight_version=weight_version, flush_cache=flush_cache

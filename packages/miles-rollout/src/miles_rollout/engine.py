@@ -370,6 +370,7 @@ class Engine:
                     "num_running_reqs": len(sched.running),
                     "num_waiting_reqs": len(sched.waiting),
                     "paused": sched.paused,
+                    "num_generated_tokens": sched.generated_tokens,
                 }
             ],
         }

@@ -20,10 +20,10 @@ from typing import Any
 
 from aiohttp import web
 
-import miles_transfer
 from miles_rollout._http_generate import parse_generate, response_dict
 from miles_rollout.engine import Engine
 from miles_rollout.sampling_params import SamplingParams
+from miles_transfer import deserialize_named_tensors
 
 __all__ = ["ServerHandle", "serve"]
 
@@ -31,10 +31,6 @@ logger = logging.getLogger(__name__)
 
 _HEALTH_GENERATE_TIMEOUT_S = 20.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class _NotImplementedHereError(Exception):
-    """An SGLang feature this server does not provide (HTTP 501)."""
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -47,8 +43,6 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except ValueError as exc:
         return _error(400, str(exc))
-    except _NotImplementedHereError as exc:
-        return _error(501, str(exc))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -234,24 +228,21 @@ class _Routes:
             "torch_empty_cache",
             "rid",
         }
-        _pop_known(body, allowed, "/update_weights_from_tensor")
-        decode = getattr(miles_transfer, "deserialize_named_tensors", None)
-        if decode is None:
-            raise _NotImplementedHereError(
-                "update_weights_from_tensor needs miles_transfer.deserialize_named_tensors, "
-                "which this miles-transfer version lacks; upgrade miles-transfer"
-            )
         payloads = body.get("serialized_named_tensors")
-        if not isinstance(payloads, list) or len(payloads) != 1:
-            raise ValueError(
-                "serialized_named_tensors must be a list with one payload per TP rank; this "
-                f"server has tp_size 1, got {type(payloads).__name__} of "
-                f"{len(payloads) if isinstance(payloads, list) else '?'}"
-            )
+        if not isinstance(payloads, list) or not payloads:
+            raise ValueError("serialized_named_tensors must be a non-empty list (one per TP rank)")
         load_format = body.get("load_format")
         version = body.get("weight_version")
         try:
-            named = decode(payloads[0], load_format=load_format)
+            # Decode every entry first: each decode releases the sender's in-flight reference
+            # on its shared memory, and miles_transfer's sender assumes a 400 means "read".
+            decoded = [deserialize_named_tensors(p, load_format=load_format) for p in payloads]
+            _pop_known(body, allowed, "/update_weights_from_tensor")
+            if len(decoded) != 1:
+                raise ValueError(
+                    f"got {len(decoded)} payloads; this server has tp_size 1 (send one payload)"
+                )
+            named = decoded[0]
             if body.get("abort_all_requests"):
                 await self._run(lambda: self.engine.abort_request(abort_all=True))
             await self._run(
