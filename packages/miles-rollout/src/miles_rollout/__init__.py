@@ -4,21 +4,39 @@ from miles_rollout.client import EngineClient, LocalEngineClient, SGLangClient, 
 from miles_rollout.config import EngineConfig
 from miles_rollout.engine import Engine
 from miles_rollout.outputs import FinishReason, GenerateOutput
+from miles_rollout.rollout import (
+    RewardFn,
+    RolloutResult,
+    encode_prompt,
+    generate_rollout,
+    rollout_metrics,
+)
+from miles_rollout.sample import Sample, SampleStatus
 from miles_rollout.sampling_params import SamplingParams
 from miles_rollout.server import ServerHandle, serve
+from miles_rollout.tasks import ArithmeticTask, PromptItem
 from miles_rollout.version import __version__
 
 __all__ = [
+    "ArithmeticTask",
     "Engine",
     "EngineClient",
     "EngineConfig",
     "FinishReason",
     "GenerateOutput",
     "LocalEngineClient",
+    "PromptItem",
+    "RewardFn",
+    "RolloutResult",
     "SGLangClient",
     "SGLangHTTPError",
+    "Sample",
+    "SampleStatus",
     "SamplingParams",
     "ServerHandle",
     "__version__",
+    "encode_prompt",
+    "generate_rollout",
+    "rollout_metrics",
     "serve",
 ]

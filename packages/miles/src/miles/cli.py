@@ -1,0 +1,100 @@
+"""The ``miles`` command line.
+
+    miles train RECIPE [--set section.key=value ...] [--steps N] [--out DIR]
+    miles recipes
+    miles plot RUN_DIR
+
+RECIPE is a built-in name (``arith-tiny``), a YAML file or a Python file with ``recipe()``.
+Mistakes in the input (missing checkpoint, malformed recipe, unknown key, prompt longer than
+the context) print one line naming the problem and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+EXIT_USAGE = 2
+
+
+def _train(args: argparse.Namespace) -> int:
+    from miles.config import load_recipe
+    from miles.loop import train
+
+    overrides = list(args.set or [])
+    if args.steps is not None:
+        overrides.append(f"run.num_steps={args.steps}")
+    if args.out is not None:
+        overrides.append(f"run.out_dir={args.out}")
+    if args.no_progress:
+        overrides.append("run.progress=false")
+    cfg = load_recipe(args.recipe, overrides)
+    result = train(cfg)
+    if result is not None:
+        print(f"run directory: {result.run_dir}")
+        print(f"  metrics:     {result.metrics_path}")
+        print(f"  reward plot: {result.plot_path}")
+        print(f"  checkpoint:  {result.final_checkpoint}")
+    return 0
+
+
+def _recipes(_: argparse.Namespace) -> int:
+    from miles.config import builtin_recipes
+
+    print("\n".join(builtin_recipes()))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from miles._runlog import plot_reward_curve
+
+    run_dir = Path(args.run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{metrics} not found: is {run_dir} a miles run directory?")
+    print(plot_reward_curve(metrics, run_dir / "reward_curve.png"))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests and docs)."""
+    p = argparse.ArgumentParser(prog="miles", description="RL post-training for LLMs.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run RL training from a recipe")
+    t.add_argument("recipe", help="built-in recipe name, or a .yaml / .py recipe file")
+    t.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a recipe value, e.g. --set trainer.lr=1e-4 (repeatable)",
+    )
+    t.add_argument("--steps", type=int, help="shorthand for --set run.num_steps=N")
+    t.add_argument("--out", help="run directory (default runs/<name>-<timestamp>)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(fn=_train)
+    r = sub.add_parser("recipes", help="list the built-in recipes")
+    r.set_defaults(fn=_recipes)
+    pl = sub.add_parser("plot", help="(re)draw a run's reward curve PNG")
+    pl.add_argument("run_dir")
+    pl.set_defaults(fn=_plot)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``miles`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"miles: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("miles: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

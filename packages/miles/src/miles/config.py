@@ -1,0 +1,269 @@
+"""The run configuration: component configs owned by their packages, plus the loop's own.
+
+A recipe is a YAML file, a Python file with a ``recipe()`` function, or the name of a built-in
+recipe (``miles/recipes/<name>.py``). It fills these dataclasses; unknown keys are errors.
+
+YAML shape (every section optional except ``model_path``)::
+
+    name: arith-tiny
+    model_path: ~/.cache/miles/tiny-qwen3-arith
+    engine:   {dtype: float32, max_running_requests: 128}     # miles_rollout.EngineConfig
+    sampling: {temperature: 1.0, max_new_tokens: 8}           # miles_rollout.SamplingParams
+    trainer:  {lr: 1e-4, loss: {clip_low: 0.2}}               # miles_trainer.TrainerConfig
+    rollout:  {prompts_per_step: 16, n_samples_per_prompt: 8}
+    task:     {name: arithmetic, params: {max_operand: 99}}
+    transfer: {bucket_mb: 64, verify: true}
+    run:      {num_steps: 60, save_every: 0}
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from miles._dataclass_build import build_dataclass, to_plain
+from miles_rollout import EngineConfig, SamplingParams
+from miles_trainer import TrainerConfig
+
+__all__ = [
+    "RolloutSettings",
+    "RunConfig",
+    "RunSettings",
+    "TaskSettings",
+    "TransferSettings",
+    "load_recipe",
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutSettings:
+    """How the loop uses the engines.
+
+    Attributes:
+        prompts_per_step: prompts per RL step (the rollout batch size).
+        n_samples_per_prompt: samples per prompt (GRPO's group size G).
+        max_concurrency: bound on generate requests in flight.
+        engine_url: URL of an SGLang-compatible server or sglang-router; ``None`` runs the
+            embedded engine in this process.
+    """
+
+    prompts_per_step: int = 8
+    n_samples_per_prompt: int = 8
+    max_concurrency: int = 256
+    engine_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.n_samples_per_prompt < 2:
+            raise ValueError(
+                f"n_samples_per_prompt must be >= 2 (group-normalised advantages need a group), "
+                f"got {self.n_samples_per_prompt}"
+            )
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskSettings:
+    """Where prompts and rewards come from.
+
+    Attributes:
+        name: ``"arithmetic"`` (built in) or a dotted path ``"package.module:factory"`` to a
+            callable that takes ``**params`` and returns an object with ``sample(n) ->
+            list[PromptItem]`` and ``reward(response, label) -> float``.
+        params: keyword arguments for the task.
+        reward_fn: optional dotted path to ``fn(sample) -> float`` (sync or async) that
+            replaces the task's reward.
+    """
+
+    name: str = "arithmetic"
+    params: dict[str, Any] = field(default_factory=dict)
+    reward_fn: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class TransferSettings:
+    """Weight sync from the trainer to the engines.
+
+    Attributes:
+        bucket_mb: bucket size in MiB for bucketed sends.
+        verify: after every update, compare engine and trainer digests bit for bit.
+    """
+
+    bucket_mb: float = 64.0
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunSettings:
+    """The loop itself.
+
+    Attributes:
+        num_steps: RL steps (rollout, train, weight update) to run.
+        out_dir: run directory; ``None`` means ``runs/<name>-<timestamp>/``.
+        save_every: write an HF checkpoint every this many steps (0: only at the end).
+        tensorboard: also log to TensorBoard when it is installed.
+        plot_every: refresh the PNG reward curve every this many steps.
+        progress: show a progress bar.
+    """
+
+    num_steps: int = 60
+    out_dir: str | None = None
+    save_every: int = 0
+    tensorboard: bool = True
+    plot_every: int = 10
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.save_every < 0:
+            raise ValueError(f"save_every must be >= 0, got {self.save_every}")
+        if self.plot_every < 1:
+            raise ValueError(f"plot_every must be >= 1, got {self.plot_every}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """A whole run. ``model_path`` is set once and shared by the engine and the trainer."""
+
+    name: str
+    model_path: str
+    engine: EngineConfig
+    sampling: SamplingParams
+    trainer: TrainerConfig
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    task: TaskSettings = field(default_factory=TaskSettings)
+    transfer: TransferSettings = field(default_factory=TransferSettings)
+    run: RunSettings = field(default_factory=RunSettings)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """Validate and build a config from a plain dict (see the module docstring)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a recipe must be a mapping of sections, got {type(data).__name__}")
+        sections = ("engine", "sampling", "trainer", "rollout", "task", "transfer", "run")
+        unknown = sorted(set(data) - {"name", "model_path", *sections})
+        if unknown:
+            raise ValueError(
+                f"unknown recipe key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                f"valid top-level keys: name, model_path, {', '.join(sections)}"
+            )
+        if not data.get("model_path"):
+            raise ValueError("the recipe must set model_path (a local HF checkpoint directory)")
+        model_path = os.path.expandvars(os.path.expanduser(str(data["model_path"])))
+        name = str(data.get("name") or "run")
+        for s in sections:
+            if data.get(s) is not None and not isinstance(data[s], dict):
+                raise ValueError(f"recipe section '{s}' must be a mapping, got {data[s]!r}")
+        sec = {s: dict(data.get(s) or {}) for s in sections}
+        return cls(
+            name=name,
+            model_path=model_path,
+            engine=build_dataclass(EngineConfig, sec["engine"], "engine", model_path=model_path),
+            sampling=build_dataclass(SamplingParams, sec["sampling"], "sampling"),
+            trainer=build_dataclass(
+                TrainerConfig, sec["trainer"], "trainer", model_path=model_path
+            ),
+            rollout=build_dataclass(RolloutSettings, sec["rollout"], "rollout"),
+            task=build_dataclass(TaskSettings, sec["task"], "task"),
+            transfer=build_dataclass(TransferSettings, sec["transfer"], "transfer"),
+            run=build_dataclass(RunSettings, sec["run"], "run"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data (written to the run directory)."""
+        d = to_plain(self)
+        d["engine"].pop("model_path", None)
+        d["trainer"].pop("model_path", None)
+        return d
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {key}: '{p}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides; values are parsed as YAML (``1e-4``, ``true``)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"override {item!r} must look like section.key=value")
+        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    return data
+
+
+def _load_python_recipe(path: Path) -> dict[str, Any]:
+    spec = importlib.util.spec_from_file_location(f"_miles_recipe_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import recipe file {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    fn = getattr(module, "recipe", None)
+    if not callable(fn):
+        raise ValueError(f"recipe file {path} must define a function recipe() returning a dict")
+    data = fn()
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe() in {path} must return a dict, got {type(data).__name__}")
+    return data
+
+
+def builtin_recipes() -> list[str]:
+    """Names of the built-in recipes (``miles train <name>``)."""
+    folder = Path(__file__).parent / "recipes"
+    return sorted(p.stem.replace("_", "-") for p in folder.glob("[!_]*.py"))
+
+
+def load_recipe(spec: str, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load a recipe by built-in name, YAML path or Python path, apply overrides, validate.
+
+    Raises:
+        FileNotFoundError: the recipe file does not exist.
+        ValueError: malformed recipe, unknown key, bad value (the message names it).
+    """
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml", ".py"):
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe file not found: {path}")
+        if path.suffix == ".py":
+            data = _load_python_recipe(path)
+        else:
+            try:
+                data = yaml.safe_load(path.read_text())
+            except yaml.YAMLError as e:
+                raise ValueError(f"recipe {path} is not valid YAML: {e}") from e
+            if data is None:
+                data = {}
+    elif spec in builtin_recipes():
+        module = importlib.import_module(f"miles.recipes.{spec.replace('-', '_')}")
+        data = module.recipe()
+    else:
+        raise ValueError(
+            f"unknown recipe {spec!r}: give a .yaml or .py file or one of the built-in recipes: "
+            f"{', '.join(builtin_recipes())}"
+        )
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {spec} must be a mapping of sections, got {type(data).__name__}")
+    data.setdefault("name", path.stem if path.suffix else spec)
+    return RunConfig.from_dict(apply_overrides(data, overrides))

@@ -1,0 +1,61 @@
+"""Resolve a run's task (prompts + reward) and optional custom reward function by name."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from miles.config import TaskSettings
+from miles_rollout import PromptItem, Sample
+from miles_rollout.tasks import ArithmeticTask
+
+__all__ = ["Task", "load_callable", "make_reward_fn", "make_task"]
+
+
+class Task(Protocol):
+    """What the loop needs from a task."""
+
+    def sample(self, n: int) -> list[PromptItem]:
+        """The next ``n`` prompts."""
+        ...
+
+    def reward(self, response: str, label: Any) -> float:
+        """Grade one response."""
+        ...
+
+
+BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"arithmetic": ArithmeticTask}
+
+
+def load_callable(path: str) -> Callable[..., Any]:
+    """Import ``"package.module:attr"`` (or ``"package.module.attr"``) and return it."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{path!r} is not a dotted path like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import module {module_name!r} for {path!r}: {e}") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{path!r}: module {module_name!r} has no callable {attr!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def make_task(settings: TaskSettings) -> Task:
+    """Build the task named by ``settings.name`` with ``settings.params``."""
+    factory = BUILTIN_TASKS.get(settings.name) or load_callable(settings.name)
+    try:
+        return factory(**settings.params)  # type: ignore[no-any-return]
+    except TypeError as e:
+        raise ValueError(f"task {settings.name!r}: bad params {settings.params}: {e}") from e
+
+
+def make_reward_fn(settings: TaskSettings, task: Task) -> Callable[[Sample], Any]:
+    """``settings.reward_fn`` when given, else the task's own ``reward(response, label)``."""
+    if settings.reward_fn:
+        return load_callable(settings.reward_fn)
+    return lambda sample: task.reward(sample.response, sample.label)

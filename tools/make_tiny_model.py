@@ -1,0 +1,204 @@
+"""Build the tiny Qwen3 policy that the CPU demo and the end-to-end tests train.
+
+Why: Miles must run a real RL loop on a 2-core laptop CPU with no model download. This tool
+makes a character-level tokenizer (a real HF fast tokenizer with a Qwen-style chat template),
+a tiny Qwen3-architecture model from a config, and briefly supervises it on the arithmetic task
+so that RL starts from a policy that is sometimes right (reward rises from there).
+
+The output is a plain HF checkpoint directory (config.json, model.safetensors, tokenizer files)
+and is cached: a second call with the same settings returns at once.
+
+Laptop:   python tools/make_tiny_model.py                 # ~1 min on 2 cores
+Cluster:  not needed; point a recipe's model_path at a real checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import string
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHARS = string.digits + string.ascii_lowercase + string.ascii_uppercase + " +-*/=()?.,:!\n"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class TinyModelSpec:
+    """What to build. Every field goes into the cache key."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 128
+    sft_steps: int = 300
+    sft_batch_size: int = 64
+    sft_lr: float = 3e-3
+    sft_label_smoothing: float = 0.3
+    max_operand: int = 99
+    ops: str = "+"
+    seed: int = 0
+
+    def key(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    """``$MILES_CACHE_DIR`` or ``~/.cache/miles``."""
+    return Path(os.environ.get("MILES_CACHE_DIR", Path.home() / ".cache" / "miles"))
+
+
+def build_tokenizer():  # type: ignore[no-untyped-def]
+    """A character-level HF fast tokenizer with a Qwen-style chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _sft_batch(tok, task, n: int):  # type: ignore[no-untyped-def]
+    """Right-padded (input_ids, labels) with loss on the answer and the end-of-turn token."""
+    seqs, labels = [], []
+    for _ in range(n):
+        item = task.make()
+        prompt_ids = list(
+            tok.apply_chat_template(
+                item.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        answer_ids = tok(task.answer_text(item), add_special_tokens=False).input_ids
+        ids = prompt_ids + answer_ids + [tok.eos_token_id]
+        seqs.append(ids)
+        labels.append([-100] * len(prompt_ids) + answer_ids + [tok.eos_token_id])
+    width = max(map(len, seqs))
+    pad = tok.pad_token_id
+    input_ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+    label_ids = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+    return input_ids, label_ids
+
+
+def build(spec: TinyModelSpec, out: Path, *, quiet: bool = False) -> Path:
+    """Build the model into ``out`` (atomically: a temp dir renamed into place)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from miles_rollout.tasks import ArithmeticTask
+
+    torch.manual_seed(spec.seed)
+    tok = build_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.hidden_size // spec.num_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = Qwen3ForCausalLM(config)
+    # A different stream from the RL prompts (seed + 1000), so warm-up does not see RL prompts.
+    task = ArithmeticTask(max_operand=spec.max_operand, ops=spec.ops, seed=spec.seed + 1000)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / max(1, spec.sft_steps))
+    )
+    model.train()
+    t0 = time.perf_counter()
+    for step in range(spec.sft_steps):
+        input_ids, labels = _sft_batch(tok, task, spec.sft_batch_size)
+        logits = model(input_ids=input_ids).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            labels[:, 1:].reshape(-1),
+            ignore_index=-100,
+            label_smoothing=spec.sft_label_smoothing,
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if not quiet and (step % 50 == 0 or step == spec.sft_steps - 1):
+            print(f"  sft step {step:4d}  loss {loss.item():.3f}  {time.perf_counter() - t0:.0f}s")
+    model.eval()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "miles_tiny_model.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def ensure(spec: TinyModelSpec | None = None, cache_dir: Path | None = None) -> Path:
+    """Return the cached model directory for ``spec``, building it first if needed."""
+    spec = spec or TinyModelSpec()
+    out = (cache_dir or default_cache_dir()) / f"tiny-qwen3-arith-{spec.key()}"
+    if (out / "model.safetensors").exists():
+        return out
+    return build(spec, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, help="output directory (default: the cache)")
+    p.add_argument("--cache-dir", type=Path, help="cache root (default $MILES_CACHE_DIR)")
+    p.add_argument("--sft-steps", type=int, default=TinyModelSpec.sft_steps)
+    p.add_argument("--label-smoothing", type=float, default=TinyModelSpec.sft_label_smoothing)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="rebuild even when cached")
+    args = p.parse_args(argv)
+    spec = TinyModelSpec(
+        sft_steps=args.sft_steps, sft_label_smoothing=args.label_smoothing, seed=args.seed
+    )
+    if args.out is not None:
+        if args.force or not (args.out / "model.safetensors").exists():
+            build(spec, args.out)
+        print(args.out)
+        return 0
+    cache = args.cache_dir or default_cache_dir()
+    out = cache / f"tiny-qwen3-arith-{spec.key()}"
+    if args.force and out.exists():
+        shutil.rmtree(out)
+    print(ensure(spec, cache))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
