@@ -54,6 +54,28 @@ def test_logprobs_match_teacher_forcing_while_requests_join_and_leave(
     assert worst < LOGPROB_TOL, f"max logprob error {worst:.2e}"
 
 
+def test_identical_prompts_share_one_prefill_and_stay_exact(
+    engine: Engine, teacher_logprobs: Teacher
+) -> None:
+    prompt = _prompt(20, 7)
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True, seed=s) for s in range(6)]
+    before = engine.server_info()["internal_states"][0]["num_prefill_tokens"]
+    engine.pause_generation("in_place")  # so that the whole group is admitted together
+    try:
+        futs = [engine.submit(prompt, p) for p in params]
+    finally:
+        engine.continue_generation()
+    outs = [f.result() for f in futs]
+    after = engine.server_info()["internal_states"][0]["num_prefill_tokens"]
+    assert after - before == len(prompt), "the group's prompt was prefilled more than once"
+    assert len({tuple(o.output_ids) for o in outs}) > 1
+    for out, p in zip(outs, params):
+        assert out.output_logprobs is not None
+        ref = teacher_logprobs(prompt, out.output_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(out.output_logprobs, ref)) < LOGPROB_TOL
+        assert engine.generate(prompt, p).output_ids == out.output_ids
+
+
 def test_greedy_matches_transformers_generate(engine: Engine, hf_model: Any) -> None:
     prompts = [_prompt(4), _prompt(11, 5), _prompt(1, 9), _prompt(30, 2)]
     futs = [

@@ -193,14 +193,14 @@ class CausalLMRunner:
         self._k, self._v = [], []
         self._batch_cap = self._token_cap = 0
 
-    def move_rows(self, dst: list[int], src: list[int]) -> None:
-        """Copy cache rows ``src`` onto rows ``dst`` (used to compact the batch)."""
+    def copy_rows(self, dst: list[int], src: list[int], length: int) -> None:
+        """Copy positions ``0 .. length-1`` of cache rows ``src`` onto rows ``dst``."""
         if not dst:
             return
         d, s = torch.tensor(dst), torch.tensor(src)
         for cache in (self._k, self._v):
             for t in cache:
-                t[d] = t[s]
+                t[d, :, :length] = t[s, :, :length]
 
     # ---- forward ---------------------------------------------------------------------------
 

@@ -79,6 +79,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.paused = False
         self.generated_tokens = 0  # cumulative, for metrics
+        self.prefill_tokens = 0  # cumulative unique (unpadded) prompt tokens run through prefill
         self._stopping = False
         self._sampler: BatchSampler | None = None
         self._thread = threading.Thread(target=self._main, name="miles-engine", daemon=True)
@@ -215,23 +216,45 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if not r.future.cancelled())
 
     def _admit(self) -> None:
-        batch: list[Request] = []
-        width = 0
+        """Prefill waiting requests into free rows, each distinct token sequence only once.
+
+        Identical sequences are common in RL (n samples of one prompt): the duplicates get a
+        copy of the first one's KV rows and logits instead of their own prefill.
+        """
         free = self.max_running - len(self.running)
-        while self.waiting and len(batch) < free:
-            req = self.waiting[0]
-            length = len(req.prompt) + len(req.output_ids)
-            if batch and max(width, length) * (len(batch) + 1) > _PREFILL_TOKEN_BUDGET:
-                break
-            width = max(width, length)
-            batch.append(self.waiting.popleft())
-        if not batch:
+        if not self.waiting or free <= 0:
             return
-        first = len(self.running)
-        logits = self.runner.prefill(first, [r.prompt + r.output_ids for r in batch])
+        firsts: list[Request] = []
+        dups: list[tuple[Request, int]] = []  # (request, index of its first in firsts)
+        seen: dict[tuple[int, ...], int] = {}
+        width = 0
+        while self.waiting and len(firsts) + len(dups) < free:
+            req = self.waiting[0]
+            key = (*req.prompt, *req.output_ids)
+            j = seen.get(key)
+            if j is not None:
+                dups.append((self.waiting.popleft(), j))
+                continue
+            if firsts and max(width, len(key)) * (len(firsts) + 1) > _PREFILL_TOKEN_BUDGET:
+                break
+            width = max(width, len(key))
+            seen[key] = len(firsts)
+            firsts.append(self.waiting.popleft())
+        first_row = len(self.running)
+        self.prefill_tokens += sum(len(r.prompt) + len(r.output_ids) for r in firsts)
+        logits = self.runner.prefill(first_row, [r.prompt + r.output_ids for r in firsts])
+        if dups:
+            src = [j for _, j in dups]
+            dup_row = first_row + len(firsts)
+            self.runner.ensure_capacity(dup_row + len(dups), width)
+            self.runner.copy_rows(
+                list(range(dup_row, dup_row + len(dups))), [first_row + j for j in src], width
+            )
+            logits = torch.cat([logits, logits[torch.tensor(src)]])
+        batch = firsts + [r for r, _ in dups]
         self.running.extend(batch)
         self._sampler = None
-        self._sample_and_finish(logits, rows=range(first, first + len(batch)))
+        self._sample_and_finish(logits, rows=range(first_row, first_row + len(batch)))
 
     def _decode_step(self) -> None:
         reqs = self.running
@@ -286,7 +309,11 @@ class Scheduler:
         holes = [i for i in range(n_keep) if i in gone]
         movers = [i for i in range(n_keep, len(self.running)) if i not in gone]
         assert len(holes) == len(movers)
-        self.runner.move_rows(holes, movers)
+        if movers:
+            longest = max(
+                len(self.running[m].prompt) + len(self.running[m].output_ids) for m in movers
+            )
+            self.runner.copy_rows(holes, movers, longest)
         new = self.running[:n_keep]
         for h, m in zip(holes, movers):
             new[h] = self.running[m]

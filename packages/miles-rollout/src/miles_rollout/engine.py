@@ -371,6 +371,7 @@ class Engine:
                     "num_waiting_reqs": len(sched.waiting),
                     "paused": sched.paused,
                     "num_generated_tokens": sched.generated_tokens,
+                    "num_prefill_tokens": sched.prefill_tokens,
                 }
             ],
         }
