@@ -40,8 +40,9 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
     "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
     "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "F8_E8M0": torch.float8_e8m0fnu,
 }
+if hasattr(torch, "float8_e8m0fnu"):  # torch >= 2.7 (MX block scales)
+    SAFETENSORS_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 _NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
 
