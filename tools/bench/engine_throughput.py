@@ -4,7 +4,8 @@ Why: the RL loop is generation-bound on CPU, and TRL's GRPOTrainer (our named pe
 with ``model.generate`` on one left-padded batch. This script builds a ~10M-parameter Qwen3
 from a config (random weights, no download), then times the same prompts both ways with
 sampling at temperature 1 (no top-k/top-p) and every request forced to ``--new-tokens`` tokens
-(EOS ignored), so both sides produce exactly the same number of tokens.
+(EOS ignored), so both sides produce exactly the same number of tokens. ``--group-size 8``
+repeats each prompt 8 times, as GRPO does (the engine then prefills each prompt once).
 
 Laptop:   python tools/bench/engine_throughput.py                # ~1 min on 2 cores
           python tools/bench/engine_throughput.py --threads 1 --repeat 3
@@ -44,11 +45,13 @@ def build_model(args: argparse.Namespace, path: str) -> int:
 
 
 def make_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """``requests`` prompts: ``requests / group_size`` distinct ones, each repeated (as in GRPO)."""
     rng = random.Random(0)
-    return [
+    distinct = [
         [rng.randrange(args.vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-        for _ in range(args.requests)
+        for _ in range(-(-args.requests // args.group_size))
     ]
+    return [distinct[i // args.group_size] for i in range(args.requests)]
 
 
 def bench_hf(path: str, prompts: list[list[int]], new_tokens: int, dtype: torch.dtype) -> float:
@@ -105,6 +108,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--group-size", type=int, default=1, help="completions per distinct prompt (GRPO: 8)"
+    )
     parser.add_argument("--min-prompt", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=48)
     parser.add_argument("--vocab", type=int, default=8192)
@@ -127,7 +133,8 @@ def main() -> None:
         n_params = build_model(args, tmp)
         print(
             f"Qwen3 {n_params / 1e6:.1f}M params, {args.dtype}, {args.requests} requests x "
-            f"{args.new_tokens} new tokens, prompts {args.min_prompt}-{args.max_prompt} tokens, "
+            f"{args.new_tokens} new tokens, prompts {args.min_prompt}-{args.max_prompt} tokens "
+            f"(groups of {args.group_size}), "
             f"{torch.get_num_threads()} threads"
         )
         hf: list[float] = []
