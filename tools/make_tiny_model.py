@@ -8,14 +8,13 @@ so that RL starts from a policy that is sometimes right (reward rises from there
 The output is a plain HF checkpoint directory (config.json, model.safetensors, tokenizer files)
 and is cached: a second call with the same settings returns at once.
 
-Laptop:   python tools/make_tiny_model.py                 # ~1 min on 2 cores
+Laptop:   python tools/make_tiny_model.py        # ~1-2 min on 2 cores, then cached
 Cluster:  not needed; point a recipe's model_path at a real checkpoint instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -38,7 +37,7 @@ CHAT_TEMPLATE = (
 
 @dataclass(kw_only=True, slots=True)
 class TinyModelSpec:
-    """What to build. Every field goes into the cache key."""
+    """What to build. The output directory records it; a different spec rebuilds."""
 
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -46,17 +45,13 @@ class TinyModelSpec:
     num_heads: int = 4
     num_kv_heads: int = 2
     max_position_embeddings: int = 128
-    sft_steps: int = 300
+    sft_steps: int = 600
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
     sft_label_smoothing: float = 0.3
     max_operand: int = 99
     ops: str = "+"
     seed: int = 0
-
-    def key(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:12]
 
 
 def default_cache_dir() -> Path:
@@ -166,37 +161,45 @@ def build(spec: TinyModelSpec, out: Path, *, quiet: bool = False) -> Path:
     return out
 
 
-def ensure(spec: TinyModelSpec | None = None, cache_dir: Path | None = None) -> Path:
-    """Return the cached model directory for ``spec``, building it first if needed."""
+def ensure(
+    spec: TinyModelSpec | None = None, out: Path | None = None, *, quiet: bool = False
+) -> Path:
+    """Return the model directory for ``spec``, building it first unless it is already there.
+
+    The directory records the spec it was built from; a different spec rebuilds it.
+    """
     spec = spec or TinyModelSpec()
-    out = (cache_dir or default_cache_dir()) / f"tiny-qwen3-arith-{spec.key()}"
-    if (out / "model.safetensors").exists():
+    out = out or default_cache_dir() / "tiny-qwen3-arith"
+    stamp = out / "miles_tiny_model.json"
+    built = (out / "model.safetensors").is_file() and stamp.is_file()
+    if built and json.loads(stamp.read_text()) == asdict(spec):
         return out
-    return build(spec, out)
+    return build(spec, out, quiet=quiet)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, help="output directory (default: the cache)")
-    p.add_argument("--cache-dir", type=Path, help="cache root (default $MILES_CACHE_DIR)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="output directory (default: $MILES_CACHE_DIR/tiny-qwen3-arith, "
+        "MILES_CACHE_DIR defaulting to ~/.cache/miles)",
+    )
     p.add_argument("--sft-steps", type=int, default=TinyModelSpec.sft_steps)
     p.add_argument("--label-smoothing", type=float, default=TinyModelSpec.sft_label_smoothing)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="rebuild even when cached")
+    p.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     spec = TinyModelSpec(
         sft_steps=args.sft_steps, sft_label_smoothing=args.label_smoothing, seed=args.seed
     )
-    if args.out is not None:
-        if args.force or not (args.out / "model.safetensors").exists():
-            build(spec, args.out)
-        print(args.out)
-        return 0
-    cache = args.cache_dir or default_cache_dir()
-    out = cache / f"tiny-qwen3-arith-{spec.key()}"
-    if args.force and out.exists():
-        shutil.rmtree(out)
-    print(ensure(spec, cache))
+    out = args.out or default_cache_dir() / "tiny-qwen3-arith"
+    if args.force:
+        build(spec, out, quiet=args.quiet)
+    else:
+        ensure(spec, out, quiet=args.quiet)
+    print(out)
     return 0
 
 

@@ -57,6 +57,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected a mapping, got {value!r}")
         return dict(value)
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "3e-4" (no dot) as a string; accept any float literal.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{where}: expected a number, got {value!r}")
         return float(value)

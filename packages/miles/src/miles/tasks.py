@@ -42,14 +42,14 @@ def load_callable(path: str) -> Callable[..., Any]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{path!r}: module {module_name!r} has no callable {attr!r}")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def make_task(settings: TaskSettings) -> Task:
     """Build the task named by ``settings.name`` with ``settings.params``."""
     factory = BUILTIN_TASKS.get(settings.name) or load_callable(settings.name)
     try:
-        return factory(**settings.params)  # type: ignore[no-any-return]
+        return factory(**settings.params)
     except TypeError as e:
         raise ValueError(f"task {settings.name!r}: bad params {settings.params}: {e}") from e
 

@@ -26,7 +26,7 @@ def recipe() -> dict[str, Any]:
         "engine": {"dtype": "float32", "max_running_requests": 128},
         "sampling": {"temperature": 1.0, "max_new_tokens": 8},
         "trainer": {
-            "lr": 1e-3,
+            "lr": 2e-4,
             "micro_batch_size": 64,
             "eps": 1e-6,
             "loss": {"clip_low": 0.2, "clip_high": 0.28, "loss_agg": "token-mean"},
@@ -34,5 +34,5 @@ def recipe() -> dict[str, Any]:
         "rollout": {"prompts_per_step": 16, "n_samples_per_prompt": 8},
         "task": {"name": "arithmetic", "params": {"max_operand": 99, "ops": "+", "seed": 1}},
         "transfer": {"bucket_mb": 16, "verify": True},
-        "run": {"num_steps": 60, "save_every": 0, "plot_every": 10},
+        "run": {"num_steps": 100, "save_every": 0, "plot_every": 10},
     }
