@@ -35,6 +35,8 @@ T = TypeVar("T")
 
 # Upper bound on padded prompt tokens in one prefill forward (bounds activation memory).
 _PREFILL_TOKEN_BUDGET = 8192
+# A prefill chunk's padded size may exceed its real token count by at most this factor.
+_MAX_PAD_RATIO = 1.25
 
 
 @dataclass(eq=False, slots=True)
@@ -240,11 +242,30 @@ class Scheduler:
             width = max(width, len(key))
             seen[key] = len(firsts)
             firsts.append(self.waiting.popleft())
+        # Shortest first, cut into chunks whose right-padding stays small: prefill is
+        # compute-bound, so padded positions cost as much as real ones.
+        order = sorted(
+            range(len(firsts)), key=lambda i: len(firsts[i].prompt) + len(firsts[i].output_ids)
+        )
+        rank = {old: new for new, old in enumerate(order)}
+        firsts = [firsts[i] for i in order]
+        seqs = [r.prompt + r.output_ids for r in firsts]
         first_row = len(self.running)
-        self.prefill_tokens += sum(len(r.prompt) + len(r.output_ids) for r in firsts)
-        logits = self.runner.prefill(first_row, [r.prompt + r.output_ids for r in firsts])
+        self.prefill_tokens += sum(len(s) for s in seqs)
+        parts: list[torch.Tensor] = []
+        start = 0
+        while start < len(seqs):
+            end, real = start + 1, len(seqs[start])
+            while end < len(seqs) and len(seqs[end]) * (end - start + 1) <= _MAX_PAD_RATIO * (
+                real + len(seqs[end])
+            ):
+                real += len(seqs[end])
+                end += 1
+            parts.append(self.runner.prefill(first_row + start, seqs[start:end]))
+            start = end
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         if dups:
-            src = [j for _, j in dups]
+            src = [rank[j] for _, j in dups]
             dup_row = first_row + len(firsts)
             self.runner.ensure_capacity(dup_row + len(dups), width)
             self.runner.copy_rows(
