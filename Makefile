@@ -19,6 +19,7 @@ $(STAMP): constraints.txt requirements-dev.txt $(foreach p,$(PACKAGES) packages/
 	touch $(STAMP)
 
 demo: setup
+	$(BIN)/python tools/make_tiny_model.py
 	$(BIN)/miles train arith-tiny
 
 lint: setup

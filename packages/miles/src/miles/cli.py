@@ -32,6 +32,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.no_progress:
         overrides.append("run.progress=false")
     cfg = load_recipe(args.recipe, overrides)
+    _quiet_libraries()
     result = train(cfg)
     if result is not None:
         print(f"run directory: {result.run_dir}")
@@ -39,6 +40,16 @@ def _train(args: argparse.Namespace) -> int:
         print(f"  reward plot: {result.plot_path}")
         print(f"  checkpoint:  {result.final_checkpoint}")
     return 0
+
+
+def _quiet_libraries() -> None:
+    """Keep the terminal for the loop's own progress bar (no per-load bars from transformers)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def _recipes(_: argparse.Namespace) -> int:
