@@ -188,7 +188,9 @@ class CausalLMRunner:
         assert tokens <= self.context_length, (tokens, self.context_length)
         if batch <= self._batch_cap and tokens <= self._token_cap:
             return
-        new_b = min(self.max_batch, max(batch, 2 * self._batch_cap, 8))
+        new_b = self._batch_cap
+        if batch > new_b:
+            new_b = min(self.max_batch, max(batch, 2 * new_b, 8))
         new_t = self._token_cap
         while new_t < tokens:
             new_t = max(_T_ALIGN, 2 * new_t)
