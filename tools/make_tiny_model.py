@@ -185,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         help="output directory (default: $MILES_CACHE_DIR/tiny-qwen3-arith, "
         "MILES_CACHE_DIR defaulting to ~/.cache/miles)",
     )
-    p.add_argument("--sft-steps", type=int, default=TinyModelSpec.sft_steps)
-    p.add_argument("--label-smoothing", type=float, default=TinyModelSpec.sft_label_smoothing)
+    # Defaults from an instance: on a slots dataclass the class attribute is a descriptor.
+    defaults = TinyModelSpec()
+    p.add_argument("--sft-steps", type=int, default=defaults.sft_steps)
+    p.add_argument("--label-smoothing", type=float, default=defaults.sft_label_smoothing)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even when up to date")
     p.add_argument("--quiet", action="store_true")
