@@ -24,7 +24,23 @@ _SUPPORTED = {
     "data_parallel_rank",
     "routed_dp_rank",
 }
-# Fields accepted only with a neutral value (routers re-serialise requests and may add them).
+# Bookkeeping fields that do not change the result: accepted with any value and ignored
+# (sglang-router 0.3.2 sends ``log_metrics: true`` on every request).
+_IGNORED = {
+    "log_metrics",
+    "priority",
+    "custom_labels",
+    "conversation_id",
+    "routing_key",
+    "session_id",
+    "received_time",
+    "external_trace_header",
+    "no_logs",
+    "extra_key",
+    "cache_salt",
+}
+# Any other field is accepted only with a neutral value (routers re-serialise requests and may
+# add fields with their defaults); otherwise the request is rejected, not silently changed.
 _NEUTRAL: tuple[Any, ...] = (None, False, 0, -1, "", [], {})
 
 
@@ -47,7 +63,7 @@ class ParsedGenerate:
 
 def parse_generate(body: dict[str, Any], tokenizer: Any) -> ParsedGenerate:
     """Validate a ``/generate`` body; raise ``ValueError`` with a clear message otherwise."""
-    extra = {k: v for k, v in body.items() if k not in _SUPPORTED}
+    extra = {k: v for k, v in body.items() if k not in _SUPPORTED and k not in _IGNORED}
     bad = sorted(k for k, v in extra.items() if not any(_same(v, n) for n in _NEUTRAL))
     if bad:
         raise ValueError(

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from miles_rollout._http_generate import parse_generate, response_dict
 from miles_rollout.engine import Engine
@@ -31,6 +32,24 @@ logger = logging.getLogger(__name__)
 
 _HEALTH_GENERATE_TIMEOUT_S = 20.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _QuietProbes(logging.Filter):
+    """Turn aiohttp's traceback for an unparsable request into one debug line.
+
+    sglang-router probes every worker with HTTP/2 and gRPC prefaces; aiohttp answers 400 and
+    carries on, but would log a full traceback at ERROR level for each probe.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            logger.debug("rejected an unparsable request: %s", str(exc).splitlines()[0])
+            return False
+        return True
+
+
+_PROBE_FILTER = _QuietProbes()
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -349,6 +368,7 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> ServerHandl
         host: the address to bind (loopback by default).
         port: the TCP port; ``0`` picks a free one (see ``handle.port``).
     """
+    logging.getLogger("aiohttp.server").addFilter(_PROBE_FILTER)  # idempotent (same object)
     sock = socket.create_server((host, port))
     bound_port = sock.getsockname()[1]
     loop = asyncio.new_event_loop()
