@@ -83,30 +83,43 @@ class Scheduler:
         self.generated_tokens = 0  # cumulative, for metrics
         self.prefill_tokens = 0  # cumulative unique (unpadded) prompt tokens run through prefill
         self._stopping = False
+        self._closed = False
+        self._inbox_lock = threading.Lock()
         self._sampler: BatchSampler | None = None
         self._thread = threading.Thread(target=self._main, name="miles-engine", daemon=True)
         self._thread.start()
 
     # ---- API for other threads ---------------------------------------------------------------
 
+    def _put(self, msg: Request | _Call) -> None:
+        # The lock orders every message before the shutdown sentinel, so none is left behind.
+        with self._inbox_lock:
+            if self._closed:
+                raise RuntimeError("the engine is shut down")
+            self._inbox.put(msg)
+
     def add(self, req: Request) -> None:
-        """Queue a validated request."""
-        self._inbox.put(req)
+        """Queue a validated request.
+
+        Raises:
+            RuntimeError: the engine is shut down.
+        """
+        self._put(req)
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the scheduler thread between two steps and return its result."""
         assert threading.current_thread() is not self._thread, "call() from the engine thread"
-        if not self._thread.is_alive():
-            raise RuntimeError("the engine is shut down")
         fut: Future[T] = Future()
-        self._inbox.put(_Call(fn, fut))
+        self._put(_Call(fn, fut))
         return fut.result()
 
     def stop(self) -> None:
-        """Abort every request and end the thread."""
-        if self._thread.is_alive():
-            self._inbox.put(None)
-            self._thread.join()
+        """Abort every request and end the thread (idempotent)."""
+        with self._inbox_lock:
+            if not self._closed:
+                self._closed = True
+                self._inbox.put(None)
+        self._thread.join()
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -160,10 +173,10 @@ class Scheduler:
     def _main(self) -> None:
         with torch.inference_mode():
             while not self._stopping:
-                self._drain(block=self.paused or not (self.running or self.waiting))
-                if self._stopping or self.paused:
-                    continue
                 try:
+                    self._drain(block=self.paused or not (self.running or self.waiting))
+                    if self._stopping or self.paused:
+                        continue
                     self._drop_cancelled()
                     self._admit()
                     if self.running:
@@ -177,15 +190,8 @@ class Scheduler:
                         if not req.future.done():
                             req.future.set_exception(exc)
             self.abort_all("the engine was shut down")
-            while True:  # fail calls that raced with shutdown
-                try:
-                    msg = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(msg, _Call):
-                    msg.future.set_exception(RuntimeError("the engine is shut down"))
-                elif isinstance(msg, Request):
-                    self._finish(msg, FinishReason(type="abort", message="engine shut down"))
+            # stop() closed the inbox before queueing the sentinel, so nothing follows it.
+            assert self._inbox.empty()
 
     def _drain(self, *, block: bool) -> None:
         while True:

@@ -147,8 +147,6 @@ class Engine:
             seed=seed,
             future=fut,
         )
-        if not self._scheduler.is_alive():
-            raise RuntimeError("the engine is shut down")
         self._scheduler.add(req)
         return fut
 
