@@ -194,3 +194,21 @@ def test_shutdown_aborts_in_flight_requests(model_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="shut down"):
         eng.submit([1, 2])
     eng.shutdown()  # idempotent
+
+
+def test_miles_transfer_push_verifies_against_the_engine(
+    fresh_engine: Engine, model_dir_v2: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from miles_transfer import push_module_weights
+
+    trained = AutoModelForCausalLM.from_pretrained(model_dir_v2, dtype=torch.float32)
+    report = push_module_weights(trained, fresh_engine, weight_version="11", bucket_bytes=1 << 16)
+    assert report is not None
+    assert report.verified
+    assert report.buckets > 1
+    assert fresh_engine.weight_version == "11"
+    assert fresh_engine.weights_checksum() == {
+        n: tensor_digest(p) for n, p in trained.named_parameters(remove_duplicate=False)
+    }
