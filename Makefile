@@ -34,5 +34,13 @@ pytest: setup
 
 test: lint typecheck pytest
 
+# Per-package CI with Pants (docs/ci.md): every package's tests, each with only its declared
+# dependencies. ./pants bootstraps Pants 2.17.1 offline on first use (.pants-cache/).
+# One package: ./pants test packages/miles-transfer::
+PANTS ?= ./pants
+PANTS_TEST_ARGS ?= ::
+pants-test:
+	$(PANTS) test $(PANTS_TEST_ARGS)
+
 clean:
 	rm -rf $(VENV) .pants.d .pants-cache .cache runs
