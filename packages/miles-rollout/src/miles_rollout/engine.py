@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
 import random
 import uuid
 from collections.abc import Iterable, Sequence
@@ -178,12 +179,13 @@ class Engine:
     def _check_prompt(self, input_ids: Sequence[int]) -> list[int]:
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.tolist()
-        prompt = list(input_ids)
-        if not prompt:
+        raw = list(input_ids)
+        if not raw:
             raise ValueError("input_ids is empty; a prompt needs at least one token")
-        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
+        bad = [t for t in raw if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
         if bad:
             raise ValueError(f"input_ids must be integers, got {bad[:5]}")
+        prompt = [int(t) for t in raw]
         lo, hi = min(prompt), max(prompt)
         if lo < 0 or hi >= self.vocab_size:
             raise ValueError(
