@@ -12,7 +12,8 @@ import torch
 
 from miles_rollout import Engine, EngineConfig, SamplingParams
 
-# Measured max |engine - teacher-forced HF| over these tests: about 5e-7 (float32).
+# Measured max |engine - teacher-forced HF| (float32): 3.8e-6 over 24 requests of up to ~100
+# tokens (logprobs down to about -15, so this is float32 rounding); see the README.
 LOGPROB_TOL = 1e-5
 
 Teacher = Callable[[list[int], list[int], float], list[float]]
