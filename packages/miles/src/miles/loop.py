@@ -132,6 +132,11 @@ class _Rollout:
             raise FileNotFoundError(
                 f"{cfg.model_path} has no tokenizer files; the rollout needs the chat template"
             )
+        # One event loop for the whole run, not asyncio.run() per step: on exit asyncio.run
+        # restores the SIGINT handler, and signal.getsignal/signal format repr() of the
+        # finished main task, i.e. of the whole RolloutResult, every step (O(rollout size):
+        # 11 ms at 64 samples x 88 tokens, 0.5 s at 512 x 1k tokens).
+        self._loop = asyncio.new_event_loop()
 
     async def _generate(self) -> Any:
         cfg = self.cfg
@@ -154,15 +159,28 @@ class _Rollout:
             )
 
     def step(self) -> tuple[TrainBatch | None, dict[str, float], float]:
-        result = asyncio.run(self._generate())
+        result = self._loop.run_until_complete(self._generate())
         batch, stats = build_train_batch(result.groups)
         metrics = rollout_metrics(result.samples)
         metrics.update(stats)
         return batch, metrics, result.seconds
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
+        loop = self._loop
+        try:
+            # What asyncio.run does on exit: cancel what is left (after an error or Ctrl-C;
+            # cancelling drops the requests from the engine), then shut the loop down.
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()
+            if self.engine is not None:
+                self.engine.shutdown()
 
 
 @contextlib.contextmanager
