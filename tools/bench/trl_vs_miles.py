@@ -32,7 +32,7 @@ other process on the machine stalls torch's OpenMP barriers and the side with mo
 otherwise idle machine (the 1-minute load average after each run is printed and recorded).
 
 Laptop:   tools/bench/setup_trl_venv.sh                                 # once, ~1-4 min
-          .venv/bin/python tools/bench/trl_vs_miles.py --threads 1    # both workloads, ~12 min
+          .venv/bin/python tools/bench/trl_vs_miles.py --threads 1    # both workloads, 5-10 min
           .venv/bin/python tools/bench/trl_vs_miles.py --workload demo --repeats 3
 Cluster:  not meant for GPUs (both sides run with the CPU settings TRL documents).
 """
@@ -445,11 +445,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nresults: {out_dir / 'results.json'}  (git {report['git']}, {report['date']})")
     print(
         "| workload | steps (timed) | miles s/step | TRL s/step | miles speed-up (best) "
-        "| completions/s miles | completions/s TRL | miles rollout / train / update s |"
+        "| completions/s miles | completions/s TRL | miles rollout / train / update s "
+        "| TRL generate / train s |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
-        sp = row["miles_split_s"]
+        sp, tp = row["miles_split_s"], row["trl_split_s"]
         print(
             f"| {row['workload']} ({row['params_M']}M, {row['tokens']} tok) "
             f"| {row['steps']} ({row['timed_steps_per_side']}) "
@@ -457,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['miles_speedup']:.2f}x ({row['miles_speedup_best']:.2f}x) "
             f"| {row['miles_completions_per_s']:.0f} "
             f"| {row['trl_completions_per_s']:.0f} "
-            f"| {sp['rollout_s']:.3f} / {sp['train_s']:.3f} / {sp['update_s']:.3f} |"
+            f"| {sp['rollout_s']:.3f} / {sp['train_s']:.3f} / {sp['update_s']:.3f} "
+            f"| {tp['rollout_s']:.3f} / {tp['train_s']:.3f} |"
         )
     return 0
 
