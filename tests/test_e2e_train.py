@@ -23,7 +23,6 @@ REQUIRED_KEYS = {
     "time_train_s",
     "time_update_s",
 }
-BIN = Path(sys.executable).parent
 
 
 def _miles(args: list[str], cwd: Path, *, torchrun: int = 0) -> subprocess.CompletedProcess[str]:
@@ -33,9 +32,13 @@ def _miles(args: list[str], cwd: Path, *, torchrun: int = 0) -> subprocess.Compl
         TOKENIZERS_PARALLELISM="false",
         PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
     )
+    # `python -m`, not the console scripts: under Pants those start Python with -sE, which
+    # would drop the PYTHONPATH that makes e2e_rewards importable.
     if torchrun:
         cmd = [
-            str(BIN / "torchrun"),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
             "--standalone",
             f"--nproc_per_node={torchrun}",
             "-m",
@@ -43,7 +46,7 @@ def _miles(args: list[str], cwd: Path, *, torchrun: int = 0) -> subprocess.Compl
             *args,
         ]
     else:
-        cmd = [str(BIN / "miles"), *args]
+        cmd = [sys.executable, "-m", "miles", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
