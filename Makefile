@@ -8,7 +8,7 @@ PIP := $(BIN)/pip install -c constraints.txt
 PACKAGES := packages/miles-transfer packages/miles-rollout packages/miles-trainer
 STAMP := $(VENV)/.miles-setup
 
-.PHONY: setup demo test lint typecheck pytest pants-test clean
+.PHONY: setup demo test lint typecheck pytest pants-test pants-packages clean
 
 setup: $(STAMP)
 
@@ -32,7 +32,9 @@ typecheck: setup
 pytest: setup
 	$(BIN)/pytest -q packages tests
 
-test: lint typecheck pytest
+# Every check: lint, types, all tests in the dev venv, then each package's tests again through
+# Pants with only that package's declared dependencies (per-package CI, docs/ci.md).
+test: lint typecheck pytest pants-packages
 
 # Per-package CI with Pants (docs/ci.md): every package's tests, each with only its declared
 # dependencies. ./pants bootstraps Pants 2.17.1 offline on first use (.pants-cache/).
@@ -41,6 +43,9 @@ PANTS ?= ./pants
 PANTS_TEST_ARGS ?= ::
 pants-test:
 	$(PANTS) test $(PANTS_TEST_ARGS)
+
+pants-packages:
+	$(PANTS) test packages::
 
 clean:
 	rm -rf $(VENV) .pants.d .pants-cache .cache runs
