@@ -3,7 +3,9 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 \
         _trainer_dist_worker.py MODEL_DIR OUT_DIR
 
-Rank 0 writes OUT_DIR/metrics.json; all ranks write OUT_DIR/ckpt (save_hf_checkpoint).
+Each rank writes OUT_DIR/rank{r}.json; all ranks write OUT_DIR/ckpt (save_hf_checkpoint), and
+the same scenario in bfloat16 compute to OUT_DIR/ckpt-bf16 (fp32 master weights) and
+OUT_DIR/rank{r}-bf16.json.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ def main() -> None:
         mismatch = str(e)
     record = {"world_size": trainer.world_size, "metrics": metrics, "mismatch": mismatch}
     (out / f"rank{trainer.rank}.json").write_text(json.dumps(record))
+
+    bf16 = FSDPTrainer(scenario_config(model_dir, "bfloat16"))
+    metrics = run_scenario(bf16)
+    bf16.save_hf_checkpoint(out / "ckpt-bf16", dtype="float32")
+    (out / f"rank{bf16.rank}-bf16.json").write_text(json.dumps({"metrics": metrics}))
 
 
 if __name__ == "__main__":

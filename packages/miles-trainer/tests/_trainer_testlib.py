@@ -86,10 +86,11 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def scenario_config(model_dir: str) -> TrainerConfig:
+def scenario_config(model_dir: str, dtype: str = "float32") -> TrainerConfig:
     """The config of the 1-vs-2-process comparison: every loss term on, uneven shares."""
     return TrainerConfig(
         model_path=model_dir,
+        dtype=dtype,
         lr=1e-3,
         eps=1e-6,  # see test_trainer_fsdp.EPS
         micro_batch_size=1,

@@ -1,4 +1,5 @@
-"""Two FSDP2 ranks (gloo, torchrun) give the same update as one rank on the same batches."""
+"""Two FSDP2 ranks (gloo, torchrun) give the same update as one (plain-module) rank, in float32
+and in bfloat16 compute."""
 
 from __future__ import annotations
 
@@ -55,7 +56,27 @@ def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert record["world_size"] == 2
         assert "different batches on different ranks" in record["mismatch"]
-        for step_got, step_want in zip(record["metrics"], want_metrics):
-            for key, value in step_want.items():
-                tol = METRIC_RTOL * max(1.0, abs(value))
-                assert abs(step_got[key] - value) <= tol, (rank, key, step_got[key], value)
+        _check_metrics(record["metrics"], want_metrics, rank)
+
+    # bfloat16 compute: FSDP2 mixed precision on 2 ranks, the trainer's own on 1 rank.
+    one_bf16 = FSDPTrainer(scenario_config(str(tiny_model_dir), "bfloat16"))
+    want_metrics_bf16 = run_scenario(one_bf16)
+    want_bf16 = full_params(one_bf16.model)
+    two_bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt-bf16", dtype=torch.float32)
+    got_bf16 = {k: v.detach() for k, v in two_bf16.named_parameters()}
+    diff = max((got_bf16[k] - want_bf16[k]).abs().max().item() for k in want_bf16)
+    print(f"max |param diff| 1 vs 2 ranks, bfloat16 compute: {diff:.3g}")
+    assert diff < PARAM_ATOL
+    # ... and it is not the float32 result.
+    assert max((want_bf16[k] - want[k]).abs().max().item() for k in want) > 100 * PARAM_ATOL
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}-bf16.json").read_text())
+        _check_metrics(record["metrics"], want_metrics_bf16, rank)
+
+
+def _check_metrics(got: list[dict[str, float]], want: list[dict[str, float]], rank: int) -> None:
+    assert len(got) == len(want)
+    for step_got, step_want in zip(got, want):
+        for key, value in step_want.items():
+            tol = METRIC_RTOL * max(1.0, abs(value))
+            assert abs(step_got[key] - value) <= tol, (rank, key, step_got[key], value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -94,6 +95,49 @@ def test_on_policy_step_starts_at_ratio_one_and_zero_mismatch(tiny_model_dir: Pa
     assert metrics["tokens"] == batch.num_loss_tokens()
     assert metrics["grad_norm"] > 0
     assert metrics["lr"] == 1e-3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_minibatch_reuses_the_training_forward_as_old_logprobs(
+    tiny_model_dir: Path, dtype: str
+) -> None:
+    """num_minibatches == 1 skips the no-grad pass: same update as a separate pass."""
+    batch = make_batch(6, seed=13)
+    terms = {"loss_agg": "seq-mean-token-mean", "kl_coef": 0.05, "entropy_coef": 0.01}
+    fast = FSDPTrainer(_cfg(tiny_model_dir, dtype=dtype, loss=LossConfig(**terms)))
+    got = fast.train_step(batch)
+    # The general path by hand: old logprobs from a no-grad pass, handed in as the rollout's.
+    cfg = _cfg(tiny_model_dir, dtype=dtype, loss=LossConfig(use_rollout_logprobs=True, **terms))
+    slow = FSDPTrainer(cfg)
+    old = slow.compute_logprobs(batch.tokens, batch.response_lengths)
+    want = slow.train_step(dataclasses.replace(batch, rollout_logprobs=old))
+    assert _max_diff(full_params(fast.model), full_params(slow.model)) == 0.0
+    assert got["ratio_mean"] == pytest.approx(1.0, abs=1e-7)  # a float32 token mean of ones
+    assert got["clip_frac"] == 0.0
+    for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
+        assert got[key] == want[key], key
+    # The mismatch metric still compares the pre-update policy with the rollout.
+    batch_diff = [
+        abs(a - b) * m
+        for xs, ys, ms in zip(old, batch.rollout_logprobs, batch.loss_masks)
+        for a, b, m in zip(xs, ys, ms)
+    ]
+    assert got["train_rollout_logprob_abs_diff"] == pytest.approx(
+        sum(batch_diff) / batch.num_loss_tokens(), rel=1e-6
+    )
+
+
+def test_one_rank_trains_a_plain_module(tiny_model_dir: Path) -> None:
+    """World size 1: no FSDP2 wrapping, no DTensors (their overhead buys nothing there)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    trainer = FSDPTrainer(_cfg(tiny_model_dir, dtype="bfloat16"))
+    assert not isinstance(trainer.model, FSDPModule)
+    params = dict(trainer.model.named_parameters())
+    assert not any(isinstance(p, DTensor) for p in params.values())
+    assert all(p.dtype == torch.float32 for p in params.values())
+    assert "model.embed_tokens.weight" in params
 
 
 def test_step_lowers_loss_on_repeated_batch(tiny_model_dir: Path) -> None:

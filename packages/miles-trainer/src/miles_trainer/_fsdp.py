@@ -14,20 +14,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from miles_trainer._attention import attn_implementation
 from miles_trainer._batch import MicroBatch, TrainBatch, pack_micro_batch
-from miles_trainer._checkpoint import (
-    broadcast_ok,
-    check_model_dir,
-    gather_full_state_dict,
-    write_hf_dir,
-)
+from miles_trainer._checkpoint import broadcast_ok, gather_full_state_dict, write_hf_dir
 from miles_trainer._config import TrainerConfig
 from miles_trainer._logprobs import response_logprobs
 from miles_trainer._losses import policy_loss
+from miles_trainer._parallelize import (
+    MixedPrecisionCopy,
+    apply_fsdp,
+    cast_frozen_params,
+    load_model,
+)
 
 __all__ = ["FSDPTrainer"]
 
@@ -53,33 +54,6 @@ def _init_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def _load_sharded(
-    path: str, what: str, mesh: DeviceMesh, dtype: torch.dtype, *, trainable: bool
-) -> torch.nn.Module:
-    """Load an HF causal LM in float32 and apply FSDP2 to each decoder layer and the root."""
-    from transformers import AutoModelForCausalLM
-
-    check_model_dir(path, what)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
-    # Eval mode: no dropout, so the training forward matches the rollout's and the old-logprob
-    # pass (on-policy ratios start at exactly 1 up to numerics).
-    model.eval()
-    if not trainable:
-        model.requires_grad_(False)
-    mp = None
-    if dtype != torch.float32:
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    kwargs: dict[str, Any] = {"mesh": mesh}
-    if mp is not None:
-        kwargs["mp_policy"] = mp
-    block_names = set(getattr(model, "_no_split_modules", None) or ())
-    for module in list(model.modules()):
-        if type(module).__name__ in block_names:
-            fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
 @dataclass(slots=True)
 class _Micro:
     """One forward/backward of one rank; ``real`` False is a zero-weight filler pass."""
@@ -103,9 +77,12 @@ class FSDPTrainer:
     """Policy trainer: HF causal LM + FSDP2 + AdamW + the clipped RL loss.
 
     Construction initialises ``torch.distributed`` when needed (env:// under a launcher, else a
-    one-process group), loads ``config.model_path`` in float32 on every rank, and shards each
-    decoder layer and the root with FSDP2 ``fully_shard`` over a 1-D ``("dp",)`` mesh. With
-    ``config.loss.kl_coef > 0`` a frozen, sharded reference model is loaded too.
+    one-process group) and loads ``config.model_path`` in float32 on every rank. With several
+    ranks, each decoder layer and the root are sharded with FSDP2 ``fully_shard`` over a 1-D
+    ``("dp",)`` mesh. With one rank the model stays a plain module (FSDP2 would shard nothing
+    and only add overhead) and low-precision compute casts copies of the fp32 parameters the
+    way FSDP2's mixed precision does (see ``_parallelize.py``). With
+    ``config.loss.kl_coef > 0`` a frozen reference model is loaded and laid out the same way.
 
     Args:
         config: the trainer configuration.
@@ -120,24 +97,41 @@ class FSDPTrainer:
         self._mesh = init_device_mesh(self._device.type, (self._world,), mesh_dim_names=("dp",))
         torch.manual_seed(config.seed)
         dtype = _DTYPES[config.dtype]
-        self._model = _load_sharded(
-            config.model_path, "model_path", self._mesh, dtype, trainable=True
+        attn = attn_implementation(dtype, self._device)
+        self._sharded = self._world > 1
+        self._model: torch.nn.Module = load_model(
+            config.model_path, "model_path", attn_implementation=attn, trainable=True
         )
         self._ref: torch.nn.Module | None = None
         if config.loss.kl_coef > 0:
             ref_path = config.ref_model_path or config.model_path
             what = "ref_model_path" if config.ref_model_path else "model_path"
-            self._ref = _load_sharded(ref_path, what, self._mesh, dtype, trainable=False)
-        embeddings = self._model.get_input_embeddings()  # type: ignore[operator]
+            self._ref = load_model(ref_path, what, attn_implementation=attn, trainable=False)
+        self._mp: MixedPrecisionCopy | None = None
+        if self._sharded:
+            apply_fsdp(self._model, self._mesh, dtype)
+            if self._ref is not None:
+                apply_fsdp(self._ref, self._mesh, dtype)
+        else:
+            self._model.to(self._device)
+            if self._ref is not None:
+                self._ref.to(self._device)
+            if dtype != torch.float32:
+                self._mp = MixedPrecisionCopy(self._model, dtype)
+                if self._ref is not None:
+                    cast_frozen_params(self._ref, dtype)
+        embeddings = self._model.get_input_embeddings()
         assert isinstance(embeddings, torch.nn.Embedding)
         self._vocab_size = int(embeddings.num_embeddings)
+        # foreach: one op per tensor list instead of per tensor; on plain tensors and on
+        # DTensors (CPU gloo included) it gives the same bits as the per-tensor loop.
         self._optimizer = torch.optim.AdamW(
             self._model.parameters(),
             lr=config.lr,
             betas=config.betas,
             eps=config.eps,
             weight_decay=config.weight_decay,
-            foreach=self._device.type == "cuda",
+            foreach=True,
             fused=False,
         )
 
@@ -145,7 +139,11 @@ class FSDPTrainer:
 
     @property
     def model(self) -> torch.nn.Module:
-        """The FSDP2-wrapped HF model; ``state_dict()`` keys are HF names, values DTensors."""
+        """The HF model with the fp32 master weights; ``state_dict()`` keys are HF names.
+
+        With several ranks it is FSDP2-wrapped and the values are DTensor shards
+        (``.full_tensor()`` gathers one); with one rank it is the plain module.
+        """
         return self._model
 
     @property
@@ -168,7 +166,11 @@ class FSDPTrainer:
     def _forward(
         self, model: torch.nn.Module, mb: MicroBatch, *, with_entropy: bool, entropy_grad: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits_BLV = model(input_ids=mb.input_ids_BL, use_cache=False).logits
+        if model is self._model and self._mp is not None:
+            out = self._mp.forward(input_ids=mb.input_ids_BL, use_cache=False)
+        else:
+            out = model(input_ids=mb.input_ids_BL, use_cache=False)
+        logits_BLV = out.logits
         return response_logprobs(
             logits_BLV,
             mb.logit_pos_BR,
@@ -250,6 +252,8 @@ class FSDPTrainer:
             advantages=[[0.0] * r for r in response_lengths],
         )
         self._check_tokens(batch)
+        if self._mp is not None:
+            self._mp.refresh()
         out: list[list[float]] = []
         mbs = self.config.micro_batch_size
         for start in range(0, len(batch), mbs):
@@ -268,8 +272,11 @@ class FSDPTrainer:
         normalised by that mini-batch's global token/sequence counts, so any number of ranks
         and micro-batches gives the gradient of the one big mini-batch.
 
-        Unless ``config.loss.use_rollout_logprobs``, the old logprobs come from a no-grad
-        forward pass over the whole batch before the first update.
+        Unless ``config.loss.use_rollout_logprobs``, the old logprobs are the current policy's
+        before the first update: with ``config.num_minibatches == 1`` they are the training
+        forward's own logprobs, detached (every forward precedes the only optimizer step, so
+        they are the same numbers); otherwise a no-grad forward pass over the whole batch
+        computes them first.
 
         Args:
             batch: the samples to train on (needs at least ``num_minibatches`` of them).
@@ -296,16 +303,21 @@ class FSDPTrainer:
         self._check_same_batch(batch)
         minibatches = _minibatch_indices(len(batch), cfg.num_minibatches)
         micros = [self._micro_batches(batch, idx) for idx in minibatches]
+        if self._mp is not None:
+            self._mp.refresh()
 
-        # Old (behaviour) and reference logprobs, before any update.
+        # Old (behaviour) and reference logprobs, before any update. With one mini-batch the
+        # training forward itself runs before the update, so it supplies the old logprobs.
         need_old = not lcfg.use_rollout_logprobs
+        old_from_train = need_old and cfg.num_minibatches == 1
+        old_pass = need_old and not old_from_train
         old: list[list[torch.Tensor]] = [[] for _ in micros]
         ref: list[list[torch.Tensor]] = [[] for _ in micros]
-        if need_old or self._ref is not None:
+        if old_pass or self._ref is not None:
             with torch.no_grad():
                 for k, group in enumerate(micros):
                     for m in group:
-                        if need_old:
+                        if old_pass:
                             logp, _ = self._forward(
                                 self._model, m.mb, with_entropy=False, entropy_grad=False
                             )
@@ -327,7 +339,10 @@ class FSDPTrainer:
                 logp_BR, ent_BR = self._forward(
                     self._model, mb, with_entropy=True, entropy_grad=lcfg.entropy_coef > 0
                 )
-                old_BR = old[k][j] if need_old else mb.rollout_logp_BR
+                if old_from_train:
+                    old_BR = logp_BR.detach()
+                else:
+                    old_BR = old[k][j] if need_old else mb.rollout_logp_BR
                 loss, metrics = policy_loss(
                     logp_BR,
                     old_BR,
@@ -343,6 +358,8 @@ class FSDPTrainer:
                 # FSDP2 averages gradients over ranks; scaling by world turns that into the
                 # sum of per-rank partial sums, i.e. the global-batch gradient.
                 (loss * (self._world if m.real else 0.0)).backward()
+                if self._mp is not None:
+                    self._mp.accumulate_grads()
                 if not m.real:
                     continue
                 train_BR = old_BR if need_old else logp_BR.detach()
@@ -354,11 +371,14 @@ class FSDPTrainer:
             grad_norms.append(grad_norm)
             if math.isfinite(grad_norm):
                 self._optimizer.step()
+                if self._mp is not None and k + 1 < len(micros):
+                    self._mp.refresh()
             else:
                 skipped += 1
             self._optimizer.zero_grad(set_to_none=True)
 
-        dist.all_reduce(sums_KM)
+        if self._world > 1:
+            dist.all_reduce(sums_KM)
         mean_M = sums_KM.mean(dim=0).tolist()
         out = {name: float(v) for name, v in zip(_SUMMED[:-1], mean_M[:-1])}
         total_tokens = batch.num_loss_tokens()

@@ -1,0 +1,72 @@
+"""The trainer's CPU attention for bf16 compute against torch SDPA and HF's eager attention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from miles_trainer import FSDPTrainer, TrainerConfig
+from miles_trainer._attention import GQA_EAGER, attn_implementation, gqa_eager_attention
+
+MODULE = SimpleNamespace(training=False, num_key_value_groups=3, is_causal=True)
+
+
+def _qkv(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    B, H, KV, L, D = 2, 6, 2, 9, 16
+    q, k, v = (torch.randn(B, n, L, D, generator=g) for n in (H, KV, KV))
+    return tuple(t.to(dtype).requires_grad_() for t in (q, k, v))  # type: ignore[return-value]
+
+
+def test_float32_matches_sdpa_with_gradients() -> None:
+    q, k, v = _qkv(torch.float32)
+    out, _ = gqa_eager_attention(MODULE, q, k, v, None, scaling=0.25)  # type: ignore[arg-type]
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    assert out.shape == (2, 9, 6, 16)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-6, rtol=1e-5)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    want_grads = torch.autograd.grad(want.transpose(1, 2).square().sum(), (q, k, v))
+    for got, exp in zip(grads, want_grads):
+        torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_is_hf_eager_attention() -> None:
+    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
+
+    q, k, v = _qkv(torch.bfloat16)
+    L = q.shape[2]
+    future = torch.ones(L, L, dtype=torch.bool).triu(1)
+    low = torch.finfo(torch.bfloat16).min
+    mask = torch.zeros(L, L, dtype=torch.bfloat16).masked_fill(future, low)[None, None]
+    out, _ = gqa_eager_attention(MODULE, q, k, v, None, scaling=0.25)  # type: ignore[arg-type]
+    want, _ = eager_attention_forward(MODULE, q, k, v, mask, scaling=0.25)  # type: ignore[arg-type]
+    assert torch.equal(out, want)
+
+
+def test_a_mask_goes_to_sdpa() -> None:
+    q, k, v = _qkv(torch.float32)
+    keep = torch.ones(9, 9, dtype=torch.bool).tril()
+    keep[:, 0] = False  # not causal: attends to no position 0
+    keep[0, 0] = True
+    out, _ = gqa_eager_attention(MODULE, q, k, v, keep[None, None], scaling=0.25)  # type: ignore[arg-type]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(out, want.transpose(1, 2).contiguous(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "device", "want"),
+    [("float32", "cpu", "sdpa"), ("bfloat16", "cpu", GQA_EAGER), ("bfloat16", "cuda", "sdpa")],
+)
+def test_choice_by_dtype_and_device(dtype: str, device: str, want: str) -> None:
+    got = attn_implementation(getattr(torch, dtype), torch.device(device))
+    assert got == want
+
+
+def test_bfloat16_trainer_uses_it(tiny_model_dir: Path) -> None:
+    trainer = FSDPTrainer(TrainerConfig(model_path=str(tiny_model_dir), dtype="bfloat16"))
+    assert trainer.model.config._attn_implementation == GQA_EAGER
