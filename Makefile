@@ -5,18 +5,32 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -c constraints.txt
-PACKAGES := packages/miles-transfer packages/miles-rollout packages/miles-trainer
+PACKAGES := packages/miles-transfer packages/miles-rollout packages/miles-trainer packages/miles-quant
 STAMP := $(VENV)/.miles-setup
+# miles-quant's C++ extension (native/quant) is compiled by its editable install: rebuild it when
+# the C++ sources change. A C++17 compiler is needed; CMake and Ninja come from PyPI if missing.
+QUANT_NATIVE := $(VENV)/.miles-quant-native
+QUANT_SOURCES := packages/miles-quant/CMakeLists.txt $(shell find native/quant -type f ! -name BUILD 2>/dev/null)
 
 .PHONY: setup demo test lint typecheck pytest pants-test pants-packages clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(QUANT_NATIVE)
 
 $(STAMP): constraints.txt requirements-dev.txt $(foreach p,$(PACKAGES) packages/miles,$(p)/pyproject.toml)
+	@command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || { \
+	  echo "miles-quant needs a C++ compiler: apt-get install g++"; \
+	  apt-get update -qq && apt-get install -y -qq g++; }
 	$(PY) -m venv $(VENV)
 	$(PIP) -q torch==2.13.0
 	$(PIP) -q $(foreach p,$(PACKAGES),-e $(p)) -e 'packages/miles[all]' -r requirements-dev.txt
 	touch $(STAMP)
+
+# Rebuilds only for sources newer than the full install above (which compiled the extension).
+$(QUANT_NATIVE): $(QUANT_SOURCES) | $(STAMP)
+	@if [ -n "$$(find $(QUANT_SOURCES) -newer $(STAMP) 2>/dev/null)" ]; then \
+	  echo "$(PIP) -q --no-deps -e packages/miles-quant"; \
+	  $(PIP) -q --no-deps -e packages/miles-quant; fi
+	touch $(QUANT_NATIVE)
 
 demo: setup
 	$(BIN)/python tools/make_tiny_model.py

@@ -1,0 +1,312 @@
+// CUDA kernels of the precision contract. They reuse the integer-bit element code and the
+// per-group arithmetic of contract.h (compiled __host__ __device__), so a group's scale and codes
+// come from the same operations in the same order as on the CPU. Build flags (CMakeLists.txt):
+// -fmad=false (no FMA contraction), -prec-div=true, no --use_fast_math, no -ftz.
+//
+// Layout: one CUDA block of 256 threads per scale group (FP8 tiles, INT4 and MX groups are
+// small, so each thread handles a few elements); tensor-level amax (FP8 per tensor, the NVFP4
+// global scale) is an atomicMax over |x| bits, which order like the values with NaN above Inf.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "miles_quant/bits.h"
+#include "miles_quant/contract.h"
+#include "miles_quant/elements.h"
+#include "quantize_cuda.h"
+
+namespace miles_quant {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__host__ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+__device__ __forceinline__ uint32_t abs_bits(float v) { return f32_bits(v) & kF32AbsMask; }
+
+template <DType D>
+__device__ uint32_t block_amax(const void* x, int64_t C, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                               uint32_t* shared) {
+  uint32_t m = 0;
+  const int64_t w = c1 - c0, n = (r1 - r0) * w;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int64_t r = r0 + i / w, c = c0 + i % w;
+    const uint32_t a = abs_bits(load_f32<D>(x, r * C + c));
+    m = a > m ? a : m;
+  }
+  shared[threadIdx.x] = m;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s && shared[threadIdx.x + s] > shared[threadIdx.x]) shared[threadIdx.x] = shared[threadIdx.x + s];
+    __syncthreads();
+  }
+  const uint32_t out = shared[0];
+  __syncthreads();
+  return out;
+}
+
+template <DType D>
+__global__ void amax_kernel(const void* x, int64_t per, uint32_t* amax) {
+  const int64_t b = blockIdx.y;
+  uint32_t m = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < per;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t a = abs_bits(load_f32<D>(x, b * per + i));
+    m = a > m ? a : m;
+  }
+  atomicMax(amax + b, m);
+}
+
+// ---- FP8 ----------------------------------------------------------------------------------
+
+template <DType D, class F>
+__global__ void fp8_tiles_kernel(Fp8Args a) {
+  __shared__ uint32_t shared[kThreads];
+  const int64_t R = a.rows, C = a.cols, tr = a.tile_rows, tc = a.tile_cols;
+  const int64_t nr = (R + tr - 1) / tr, nc = (C + tc - 1) / tc;
+  const int64_t t = blockIdx.x;  // tile index in [0, B * nr * nc)
+  const int64_t b = t / (nr * nc), i = (t / nc) % nr, j = t % nc;
+  const int64_t r0 = b * R + i * tr, r1 = b * R + imin(R, (i + 1) * tr);
+  const int64_t c0 = j * tc, c1 = imin(C, c0 + tc);
+  const uint32_t amax = block_amax<D>(a.x, C, r0, r1, c0, c1, shared);
+  const bool poisoned = is_poisoned(amax);
+  const float s = poisoned ? bits_f32(kF32QuietNan) : fp8_scale<F>(bits_f32(amax));
+  if (threadIdx.x == 0) a.scales[t] = s;
+  const int64_t w = c1 - c0, n = (r1 - r0) * w;
+  for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
+    const int64_t idx = (r0 + k / w) * C + c0 + k % w;
+    a.out[idx] = static_cast<uint8_t>(poisoned ? F::kNanCode : encode<F>(load_f32<D>(a.x, idx) / s));
+  }
+}
+
+template <DType D, class F>
+__global__ void fp8_flat_kernel(Fp8Args a, const uint32_t* amax) {
+  const int64_t per = a.rows * a.cols, b = blockIdx.y;
+  const bool poisoned = is_poisoned(amax[b]);
+  const float s = poisoned ? 0.0f : fp8_scale<F>(bits_f32(amax[b]));
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < per;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t idx = b * per + i;
+    a.out[idx] = static_cast<uint8_t>(poisoned ? F::kNanCode : encode<F>(load_f32<D>(a.x, idx) / s));
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    a.scales[b] = poisoned ? bits_f32(kF32QuietNan) : s;
+}
+
+// ---- MX -------------------------------------------------------------------------------------
+
+template <DType D, class F>
+__global__ void mx_kernel(MxArgs a) {
+  constexpr bool kPacked = F::kEbits + F::kMbits == 3;
+  const int64_t C = a.cols, nb = (C + 31) / 32;
+  const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (g >= a.rows * nb) return;
+  const int64_t r = g / nb, j0 = (g % nb) * 32, n = imin(32, C - j0);
+  const int64_t base = r * C + j0;
+  uint32_t amax = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const uint32_t v = abs_bits(load_f32<D>(a.x, base + k));
+    amax = v > amax ? v : amax;
+  }
+  const bool poisoned = is_poisoned(amax);
+  const uint32_t sc = poisoned ? kE8M0Nan : e8m0_code<F>(a.rule, amax);
+  const float m = poisoned ? 0.0f : e8m0_inverse(sc);
+  a.scales[g] = static_cast<uint8_t>(sc);
+  if (kPacked) {
+    uint8_t* out = a.out + r * ((C + 1) / 2) + j0 / 2;
+    for (int64_t k = 0; k < n; k += 2) {
+      const uint32_t lo = poisoned ? 0u : encode<F>(load_f32<D>(a.x, base + k) * m);
+      const uint32_t hi = (k + 1 < n && !poisoned) ? encode<F>(load_f32<D>(a.x, base + k + 1) * m) : 0u;
+      out[k / 2] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  } else {
+    for (int64_t k = 0; k < n; ++k)
+      a.out[base + k] = static_cast<uint8_t>(poisoned ? F::kNanCode : encode<F>(load_f32<D>(a.x, base + k) * m));
+  }
+}
+
+// ---- NVFP4 ----------------------------------------------------------------------------------
+
+template <DType D>
+__global__ void nvfp4_kernel(Nvfp4Args a, const uint32_t* gamax) {
+  const int64_t R = a.rows, C = a.cols, tr = a.tile16x16 ? 16 : 1;
+  const int64_t nr = (R + tr - 1) / tr, nc = (C + 15) / 16, out_stride = (C + 1) / 2;
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= a.batch * nr * nc) return;
+  const int64_t b = t / (nr * nc), i = (t / nc) % nr, j = t % nc;
+  const int64_t r0 = b * R + i * tr, r1 = b * R + imin(R, (i + 1) * tr);
+  const int64_t c0 = j * 16, c1 = imin(C, c0 + 16);
+  const bool poisoned = is_poisoned(gamax[b]);
+  const float sg = poisoned ? 0.0f : nvfp4_global_scale(bits_f32(gamax[b]));
+  uint32_t amax = 0;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c) {
+      const uint32_t v = abs_bits(load_f32<D>(a.x, r * C + c));
+      amax = v > amax ? v : amax;
+    }
+  const uint32_t code = poisoned ? E4M3::kNanCode : nvfp4_block_code(bits_f32(amax), sg);
+  const float factor = poisoned ? 0.0f : nvfp4_block_factor(1.0f / sg, code);
+  for (int64_t r = r0; r < r1; ++r) {
+    a.scales[r * nc + j] = static_cast<uint8_t>(code);
+    uint8_t* out = a.out + r * out_stride + c0 / 2;
+    for (int64_t c = c0; c < c1; c += 2) {
+      const uint32_t lo = poisoned ? 0u : encode<E2M1>(load_f32<D>(a.x, r * C + c) * factor);
+      const uint32_t hi = (c + 1 < c1 && !poisoned) ? encode<E2M1>(load_f32<D>(a.x, r * C + c + 1) * factor) : 0u;
+      out[(c - c0) / 2] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+}
+
+// ---- INT4 -----------------------------------------------------------------------------------
+
+__device__ float store_scale(float s, DType sd, void* scales, int64_t idx) {
+  if (sd == DType::bf16) {
+    const uint16_t h = f32_to_bf16(s);
+    static_cast<uint16_t*>(scales)[idx] = h;
+    return bf16_to_f32(h);
+  }
+  if (sd == DType::f16) {
+    const uint16_t h = f32_to_f16_satfinite(s);
+    static_cast<uint16_t*>(scales)[idx] = h;
+    return f16_to_f32(h);
+  }
+  static_cast<float*>(scales)[idx] = s;
+  return s;
+}
+
+template <DType D>
+__global__ void int4_kernel(Int4Args a) {
+  const int64_t C = a.cols, gs = a.group, ng = (C + gs - 1) / gs;
+  const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (g >= a.rows * ng) return;
+  const int64_t r = g / ng, j0 = (g % ng) * gs, n = imin(gs, C - j0), base = r * C + j0;
+  uint32_t amax = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const uint32_t v = abs_bits(load_f32<D>(a.x, base + k));
+    amax = v > amax ? v : amax;
+  }
+  const bool poisoned = is_poisoned(amax);
+  const float s = store_scale(poisoned ? bits_f32(kF32QuietNan) : int4_scale(bits_f32(amax)), a.scale_dtype,
+                              a.scales, g);
+  uint8_t* out = a.out + r * ((C + 1) / 2) + j0 / 2;
+  for (int64_t k = 0; k < n; k += 2) {
+    const uint32_t lo = poisoned ? 8u : int4_code(load_f32<D>(a.x, base + k), s);
+    const uint32_t hi = k + 1 >= n ? 8u : (poisoned ? 8u : int4_code(load_f32<D>(a.x, base + k + 1), s));
+    out[k / 2] = static_cast<uint8_t>(lo | (hi << 4));
+  }
+}
+
+// ---- launchers --------------------------------------------------------------------------------
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+unsigned grid_for(int64_t n) { return static_cast<unsigned>(cdiv(n > 0 ? n : 1, kThreads)); }
+
+template <template <DType> class K, class Args>
+int by_dtype(const Args& a, cudaStream_t s) {
+  if (a.dtype == DType::f32) return K<DType::f32>::run(a, s);
+  if (a.dtype == DType::bf16) return K<DType::bf16>::run(a, s);
+  return K<DType::f16>::run(a, s);
+}
+
+// Per-matrix amax into a temporary device buffer (freed stream-ordered by the caller).
+template <DType D>
+uint32_t* matrix_amax(const void* x, int64_t B, int64_t per, cudaStream_t s) {
+  uint32_t* amax = nullptr;
+  if (cudaMallocAsync(&amax, sizeof(uint32_t) * (B > 0 ? B : 1), s) != cudaSuccess) return nullptr;
+  cudaMemsetAsync(amax, 0, sizeof(uint32_t) * (B > 0 ? B : 1), s);
+  if (B > 0 && per > 0) {
+    const unsigned gx = static_cast<unsigned>(imin(cdiv(per, kThreads), 1024));
+    amax_kernel<D><<<dim3(gx, static_cast<unsigned>(B)), kThreads, 0, s>>>(x, per, amax);
+  }
+  return amax;
+}
+
+template <DType D>
+struct Fp8Launch {
+  static int run(const Fp8Args& a, cudaStream_t s) {
+    const bool e4m3 = a.elem == Elem::e4m3;
+    if (a.per_matrix) {
+      const int64_t per = a.rows * a.cols;
+      uint32_t* amax = matrix_amax<D>(a.x, a.batch, per, s);
+      if (amax == nullptr) return static_cast<int>(cudaGetLastError());
+      if (a.batch > 0) {
+        const dim3 grid(static_cast<unsigned>(imin(cdiv(per > 0 ? per : 1, kThreads), 4096)),
+                        static_cast<unsigned>(a.batch));
+        if (e4m3)
+          fp8_flat_kernel<D, E4M3><<<grid, kThreads, 0, s>>>(a, amax);
+        else
+          fp8_flat_kernel<D, E5M2><<<grid, kThreads, 0, s>>>(a, amax);
+      }
+      cudaFreeAsync(amax, s);
+      return static_cast<int>(cudaGetLastError());
+    }
+    const int64_t tiles = a.batch * cdiv(a.rows, a.tile_rows) * cdiv(a.cols, a.tile_cols);
+    if (tiles > 0) {
+      if (e4m3)
+        fp8_tiles_kernel<D, E4M3><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(a);
+      else
+        fp8_tiles_kernel<D, E5M2><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(a);
+    }
+    return static_cast<int>(cudaGetLastError());
+  }
+};
+
+template <DType D>
+struct MxLaunch {
+  static int run(const MxArgs& a, cudaStream_t s) {
+    const int64_t groups = a.rows * cdiv(a.cols, 32);
+    if (groups > 0) {
+      if (a.elem == Elem::e4m3) mx_kernel<D, E4M3><<<grid_for(groups), kThreads, 0, s>>>(a);
+      if (a.elem == Elem::e5m2) mx_kernel<D, E5M2><<<grid_for(groups), kThreads, 0, s>>>(a);
+      if (a.elem == Elem::e2m1) mx_kernel<D, E2M1><<<grid_for(groups), kThreads, 0, s>>>(a);
+    }
+    return static_cast<int>(cudaGetLastError());
+  }
+};
+
+__global__ void nvfp4_global_only(Nvfp4Args a, const uint32_t* gamax) {
+  const int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (b < a.batch)
+    a.global_scale[b] = is_poisoned(gamax[b]) ? bits_f32(kF32QuietNan) : nvfp4_global_scale(bits_f32(gamax[b]));
+}
+
+template <DType D>
+struct Nvfp4Launch {
+  static int run(const Nvfp4Args& a, cudaStream_t s) {
+    uint32_t* gamax = matrix_amax<D>(a.x, a.batch, a.rows * a.cols, s);
+    if (gamax == nullptr) return static_cast<int>(cudaGetLastError());
+    // Global scales first (also for matrices with no elements), then the blocks.
+    if (a.batch > 0) nvfp4_global_only<<<grid_for(a.batch), kThreads, 0, s>>>(a, gamax);
+    const int64_t tiles = a.batch * cdiv(a.rows, a.tile16x16 ? 16 : 1) * cdiv(a.cols, 16);
+    if (tiles > 0) nvfp4_kernel<D><<<grid_for(tiles), kThreads, 0, s>>>(a, gamax);
+    cudaFreeAsync(gamax, s);
+    return static_cast<int>(cudaGetLastError());
+  }
+};
+
+template <DType D>
+struct Int4Launch {
+  static int run(const Int4Args& a, cudaStream_t s) {
+    const int64_t groups = a.rows * cdiv(a.cols, a.group);
+    if (groups > 0) int4_kernel<D><<<grid_for(groups), kThreads, 0, s>>>(a);
+    return static_cast<int>(cudaGetLastError());
+  }
+};
+
+}  // namespace
+
+int quantize_fp8(const Fp8Args& a, void* stream) {
+  return by_dtype<Fp8Launch>(a, static_cast<cudaStream_t>(stream));
+}
+int quantize_mx(const MxArgs& a, void* stream) { return by_dtype<MxLaunch>(a, static_cast<cudaStream_t>(stream)); }
+int quantize_nvfp4(const Nvfp4Args& a, void* stream) {
+  return by_dtype<Nvfp4Launch>(a, static_cast<cudaStream_t>(stream));
+}
+int quantize_int4(const Int4Args& a, void* stream) {
+  return by_dtype<Int4Launch>(a, static_cast<cudaStream_t>(stream));
+}
+
+}  // namespace cuda
+}  // namespace miles_quant

@@ -1,0 +1,67 @@
+// Arguments of the quantizers (CPU and CUDA): raw pointers to contiguous buffers and sizes.
+// Shapes and the layouts of the outputs are documented in packages/miles-quant/docs/contract.md.
+#pragma once
+
+#include <cstdint>
+
+#include "miles_quant/bits.h"
+#include "miles_quant/elements.h"
+
+namespace miles_quant {
+
+// FP8 with fp32 scales. x is [batch, rows, cols]. per_matrix: one scale per [rows, cols]
+// matrix, scales [batch]. Otherwise groups are tiles of tile_rows x tile_cols (the last tile in
+// each direction may be partial) and scales are [batch, ceil(rows/tile_rows),
+// ceil(cols/tile_cols)]. out holds one E4M3/E5M2 byte per element.
+struct Fp8Args {
+  const void* x;
+  DType dtype;
+  int64_t batch, rows, cols, tile_rows, tile_cols;
+  bool per_matrix;
+  Elem elem;
+  uint8_t* out;
+  float* scales;
+  int threads;
+};
+
+// MX: x is [rows, cols], blocks of 32 along cols (the last may be partial); scales (E8M0 codes)
+// are [rows, ceil(cols/32)]; out is [rows, cols] bytes for FP8 elements or [rows, ceil(cols/2)]
+// packed bytes for E2M1.
+struct MxArgs {
+  const void* x;
+  DType dtype;
+  int64_t rows, cols;
+  Elem elem;
+  ScaleRule rule;
+  uint8_t* out;
+  uint8_t* scales;
+  int threads;
+};
+
+// NVFP4: x is [batch, rows, cols]; out [batch * rows, ceil(cols/2)] packed E2M1; scales (E4M3
+// codes) [batch * rows, ceil(cols/16)] (a 16x16 tile's scale repeated on its 16 rows);
+// global_scale [batch] fp32.
+struct Nvfp4Args {
+  const void* x;
+  DType dtype;
+  int64_t batch, rows, cols;
+  bool tile16x16;
+  uint8_t* out;
+  uint8_t* scales;
+  float* global_scale;
+  int threads;
+};
+
+// INT4: x is [rows, cols], groups of `group` along cols; out [rows, ceil(cols/2)] packed
+// offset-binary codes (q + 8); scales [rows, ceil(cols/group)] in scale_dtype.
+struct Int4Args {
+  const void* x;
+  DType dtype;
+  int64_t rows, cols, group;
+  DType scale_dtype;
+  uint8_t* out;
+  void* scales;
+  int threads;
+};
+
+}  // namespace miles_quant

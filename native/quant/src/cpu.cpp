@@ -1,0 +1,192 @@
+// The CPU scheduler: splits each quantizer into tasks over rows or tiles, runs them on threads,
+// and picks the leaf kernels of the best instruction set the CPU has.
+#include "miles_quant/cpu.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "miles_quant/bits.h"
+#include "miles_quant/contract.h"
+#include "miles_quant/elements.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define MQ_X86 1
+#include <xmmintrin.h>
+#endif
+
+namespace miles_quant {
+namespace cpu {
+
+const Leaf& leaf_generic();
+#if MQ_X86
+const Leaf& leaf_avx2();
+const Leaf& leaf_avx512();
+#endif
+
+namespace {
+
+const Leaf& leaf() {
+  static const Leaf* chosen = [] {
+    const char* force = std::getenv("MILES_QUANT_ISA");
+    const std::string want = force ? force : "";
+#if MQ_X86
+    __builtin_cpu_init();
+    const bool avx2 = __builtin_cpu_supports("avx2");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                        __builtin_cpu_supports("avx512dq");
+    if (want == "generic") return &leaf_generic();
+    if (want == "avx2" && avx2) return &leaf_avx2();
+    if (avx512) return &leaf_avx512();
+    if (avx2) return &leaf_avx2();
+#endif
+    return &leaf_generic();
+  }();
+  return *chosen;
+}
+
+// Round-to-nearest, no flush-to-zero, no denormals-are-zero for the current thread while alive
+// (torch.set_flush_denormal or another library may have changed the caller's MXCSR).
+class FpEnvGuard {
+ public:
+  FpEnvGuard() {
+#if MQ_X86
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ & ~(0x8000u | 0x0040u | 0x6000u));  // FTZ, DAZ, rounding control
+#endif
+  }
+  ~FpEnvGuard() {
+#if MQ_X86
+    _mm_setcsr(saved_);
+#endif
+  }
+  FpEnvGuard(const FpEnvGuard&) = delete;
+  FpEnvGuard& operator=(const FpEnvGuard&) = delete;
+
+ private:
+  unsigned saved_ = 0;
+};
+
+int resolve_threads(int threads) {
+  if (threads > 0) return threads;
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : static_cast<int>(hw);
+}
+
+// Runs f(begin, end) over [0, n) on up to `threads` threads (the caller's thread included),
+// each with at least `grain` items.
+template <class Fn>
+void parallel_for(int64_t n, int threads, int64_t grain, const Fn& f) {
+  if (n <= 0) return;
+  const int64_t max_tasks = std::max<int64_t>(1, n / std::max<int64_t>(1, grain));
+  const int t = static_cast<int>(std::min<int64_t>(resolve_threads(threads), max_tasks));
+  const int64_t chunk = (n + t - 1) / t;
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(t > 1 ? t - 1 : 0));
+  for (int i = 1; i < t; ++i) {
+    const int64_t b = i * chunk, e = std::min(n, b + chunk);
+    if (b >= e) break;
+    pool.emplace_back([&f, b, e] {
+      FpEnvGuard guard;
+      f(b, e);
+    });
+  }
+  {
+    FpEnvGuard guard;
+    f(0, std::min(n, chunk));
+  }
+  for (auto& th : pool) th.join();
+}
+
+// Items per task so that a task touches at least ~64k elements.
+int64_t grain_for(int64_t elems_per_item) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, elems_per_item));
+}
+
+constexpr int64_t kChunk = int64_t{1} << 16;
+
+// Per-matrix amax over B contiguous blocks of `per` elements.
+std::vector<uint32_t> batch_amax(DType d, const void* x, int64_t B, int64_t per, int threads) {
+  const Leaf& L = leaf();
+  const int64_t chunks = std::max<int64_t>(1, (per + kChunk - 1) / kChunk);
+  std::vector<uint32_t> partial(static_cast<size_t>(B * chunks), 0);
+  parallel_for(B * chunks, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / chunks, s = (t % chunks) * kChunk, n = std::min(kChunk, per - s);
+      if (n > 0) partial[static_cast<size_t>(t)] = L.amax(d, x, b * per + s, n);
+    }
+  });
+  std::vector<uint32_t> out(static_cast<size_t>(B), 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t c = 0; c < chunks; ++c)
+      out[static_cast<size_t>(b)] = std::max(out[static_cast<size_t>(b)], partial[static_cast<size_t>(b * chunks + c)]);
+  return out;
+}
+
+}  // namespace
+
+const char* isa() { return leaf().name; }
+
+void encode_elements(const float* x, int64_t n, Elem e, uint8_t* out, int threads) {
+  const Leaf& L = leaf();
+  parallel_for(n, threads, kChunk, [&](int64_t b, int64_t end) { L.encode(x + b, end - b, e, out + b); });
+}
+
+void quantize_fp8(const Fp8Args& a) {
+  const Leaf& L = leaf();
+  const int64_t B = a.batch, R = a.rows, C = a.cols;
+  const int64_t nr = (R + a.tile_rows - 1) / a.tile_rows;
+  if (a.per_matrix) {
+    // One scale per [R, C] matrix: an amax pass over everything, then a cast pass in chunks.
+    const int64_t per = R * C;
+    const std::vector<uint32_t> amax = batch_amax(a.dtype, a.x, B, per, a.threads);
+    for (int64_t b = 0; b < B; ++b) {
+      const uint32_t m = amax[static_cast<size_t>(b)];
+      a.scales[b] = is_poisoned(m) ? bits_f32(kF32QuietNan)
+                                   : (a.elem == Elem::e4m3 ? fp8_scale<E4M3>(bits_f32(m))
+                                                           : fp8_scale<E5M2>(bits_f32(m)));
+    }
+    const int64_t chunks = std::max<int64_t>(1, (per + kChunk - 1) / kChunk);
+    parallel_for(B * chunks, a.threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / chunks, s = (t % chunks) * kChunk, n = std::min(kChunk, per - s);
+        if (n > 0) L.fp8_flat(a, b * per + s, n, amax[static_cast<size_t>(b)]);
+      }
+    });
+    return;
+  }
+  parallel_for(B * nr, a.threads, grain_for(a.tile_rows * C),
+               [&](int64_t t0, int64_t t1) { L.fp8_tiles(a, t0, t1); });
+}
+
+void quantize_mx(const MxArgs& a) {
+  const Leaf& L = leaf();
+  parallel_for(a.rows, a.threads, grain_for(a.cols),
+               [&](int64_t r0, int64_t r1) { L.mx_rows(a, r0, r1); });
+}
+
+void quantize_nvfp4(const Nvfp4Args& a) {
+  const Leaf& L = leaf();
+  const int64_t B = a.batch, R = a.rows, C = a.cols, tr = a.tile16x16 ? 16 : 1;
+  const std::vector<uint32_t> gamax = batch_amax(a.dtype, a.x, B, R * C, a.threads);
+  for (int64_t b = 0; b < B; ++b) {
+    const uint32_t m = gamax[static_cast<size_t>(b)];
+    a.global_scale[b] = is_poisoned(m) ? bits_f32(kF32QuietNan) : nvfp4_global_scale(bits_f32(m));
+  }
+  const int64_t nr = (R + tr - 1) / tr;
+  parallel_for(B * nr, a.threads, grain_for(tr * C),
+               [&](int64_t t0, int64_t t1) { L.nvfp4_rows(a, t0, t1, gamax.data()); });
+}
+
+void quantize_int4(const Int4Args& a) {
+  const Leaf& L = leaf();
+  parallel_for(a.rows, a.threads, grain_for(a.cols),
+               [&](int64_t r0, int64_t r1) { L.int4_rows(a, r0, r1); });
+}
+
+}  // namespace cpu
+}  // namespace miles_quant

@@ -1,0 +1,321 @@
+"""Public entry points: quantize, dequantize and the QuantizedTensor they exchange."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from miles_quant import _bits, _native, _reference
+from miles_quant._layout import unpack_nibbles
+from miles_quant._spec import E2M1, FORMATS, INPUT_DTYPES, Format, fp8_tile
+
+Backend = Literal["auto", "native", "torch"]
+_BACKENDS = ("auto", "native", "torch")
+_warned_fallback = False
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedTensor:
+    """A quantized tensor: element bits, scales and what is needed to read them back.
+
+    Attributes:
+        data: element bits. FP8 formats (fp8_*, mxfp8_*): float8_e4m3fn / float8_e5m2 of the
+            input's shape. 4-bit formats (mxfp4, nvfp4, int4_*): uint8 [..., ceil(K/2)], two
+            codes per byte, element 0 in the low nibble (E2M1 codes; INT4 as q + 8).
+        scales: per-group scales (dequantization multipliers), shapes in docs/contract.md:
+            fp8 float32, MX float8_e8m0fnu, NVFP4 float8_e4m3fn, INT4 in its scale dtype.
+        format: the format name (see miles_quant.FORMATS).
+        shape: shape of the original tensor.
+        dtype: dtype of the original tensor.
+        granularity: the scale-group shape used ("tensor", "channel", "1x128", "128x128",
+            "1x32", "1x16", "16x16").
+        scale_rule: the E8M0 rule for MX formats ("floor", "rceil", "even"), else None.
+        global_scale: NVFP4 only: float32 per-tensor scale, shape () or [E] when stacked.
+        stacked: the leading dim holds experts with their own tensor-level scales.
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    format: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    granularity: str
+    scale_rule: str | None = None
+    global_scale: torch.Tensor | None = None
+    stacked: bool = False
+
+
+def _use_native(x: torch.Tensor, backend: str) -> bool:
+    global _warned_fallback
+    if backend == "torch":
+        return False
+    if x.device.type == "cuda":
+        if _native.cuda_available():
+            return True
+        if backend == "native":
+            raise RuntimeError(
+                "backend='native' on a CUDA tensor needs the CUDA kernels "
+                f"({_native.cuda_error()}); build with: "
+                "pip install packages/miles-quant -Ccmake.define.MILES_QUANT_CUDA=ON"
+            )
+        return False
+    if x.device.type != "cpu":
+        if backend == "native":
+            raise ValueError(
+                f"backend='native' runs on CPU and CUDA tensors only (got a tensor on {x.device}); "
+                "use backend='auto' or 'torch'"
+            )
+        return False
+    if _native.available():
+        return True
+    if backend == "native":
+        raise RuntimeError(
+            f"backend='native' requested but the miles_quant extension is unavailable "
+            f"({_native.error()}); reinstall with a C++ compiler: pip install packages/miles-quant"
+        )
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(
+            f"miles_quant: native extension unavailable ({_native.error()}); using the PyTorch "
+            "reference (same bits, slower)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+def _check_input(x: torch.Tensor, fmt: Format, granularity: str, stacked: bool) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"quantize: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise ValueError(
+            f"quantize: unsupported dtype {x.dtype}; {fmt.name} takes float32, bfloat16 or "
+            "float16 (cast float64 to float32 first: the contract starts from fp32 values)"
+        )
+    if x.dim() < 1:
+        raise ValueError("quantize: expected a tensor with at least one dimension, got a scalar")
+    if stacked and x.dim() < 2:
+        raise ValueError("quantize: stacked=True needs a leading expert dim: [E, ..., K]")
+    if granularity in ("128x128", "16x16"):
+        want = 3 if stacked else 2
+        if granularity == "128x128" and x.dim() < 2:
+            raise ValueError(f"quantize: {fmt.name} needs [..., N, K], got {tuple(x.shape)}")
+        if granularity == "16x16" and x.dim() != want:
+            raise ValueError(
+                f"quantize: nvfp4 16x16 takes a [N, K] weight (or [E, N, K] with "
+                f"stacked=True), got {tuple(x.shape)}"
+            )
+
+
+def quantize(
+    x: torch.Tensor,
+    format: str,
+    *,
+    granularity: str | None = None,
+    scale_rule: str | None = None,
+    stacked: bool = False,
+    scale_dtype: torch.dtype | None = None,
+    backend: Backend = "auto",
+    threads: int | None = None,
+) -> QuantizedTensor:
+    """Quantizes `x` under the precision contract (docs/contract.md).
+
+    Groups run along the last dim K; a K (or N for 2-D tiles) that the block does not divide
+    is quantized as if zero-padded (the last group is partial; no padding is stored except a
+    final pad nibble in packed rows of odd K). Non-finite values poison their scale group: its
+    scale is NaN and it dequantizes to NaN. The input is not modified and may be
+    non-contiguous (it is copied then).
+
+    Args:
+        x: float32, bfloat16 or float16 tensor, at least 1-D (2-D for 128x128 and 16x16).
+        format: one of miles_quant.FORMATS.
+        granularity: scale groups. fp8_e4m3 / fp8_e5m2: "tensor" (default), "channel" (one
+            scale per row: everything but the last dim), "1x128" (per-token groups of 128).
+            fp8_block128: "128x128" over the last two dims. MX: "1x32". nvfp4: "1x16"
+            (default) or "16x16" (one scale per 16x16 tile, repeated on its rows). int4_g32:
+            "1x32"; int4_g128: "1x128".
+        scale_rule: MX formats only: "floor" (OCP MX v1.0, default), "rceil" (NVIDIA) or
+            "even" (torchao).
+        stacked: x is [E, ...] stacked experts; tensor-level scales (fp8 "tensor", the NVFP4
+            global scale) are computed per expert.
+        scale_dtype: INT4 only: storage dtype of the scales, float32, bfloat16 or float16
+            (default: x.dtype). Codes are computed against the stored scale; float16 scales
+            saturate at 65504.
+        backend: "native" (C++ on CPU tensors; the CUDA kernels on CUDA tensors, in builds
+            with MILES_QUANT_CUDA=ON), "torch" (the reference; any device) or "auto" (native
+            where it can run, else torch, with a one-time warning when the CPU extension is
+            missing). All give the same bits.
+        threads: CPU threads for the native backend (default torch.get_num_threads()). CUDA
+            work is enqueued on the current stream.
+
+    Returns:
+        A QuantizedTensor.
+
+    Raises:
+        ValueError: unknown format, granularity or scale rule; unsupported dtype or shape.
+        RuntimeError: backend="native" without the extension.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"quantize: unknown format {format!r}; choose one of {sorted(FORMATS)}")
+    fmt = FORMATS[format]
+    gran = fmt.granularities[0] if granularity is None else granularity
+    if gran not in fmt.granularities:
+        raise ValueError(
+            f"quantize: {format} has granularities {fmt.granularities}, got {granularity!r}"
+        )
+    rule: str | None = None
+    if fmt.family == "mx":
+        rule = fmt.scale_rules[0] if scale_rule is None else scale_rule
+        if rule not in fmt.scale_rules:
+            raise ValueError(f"quantize: scale_rule must be one of {fmt.scale_rules}, got {rule!r}")
+    elif scale_rule is not None:
+        raise ValueError(f"quantize: scale_rule applies to MX formats only, not {format}")
+    if fmt.family != "int4" and scale_dtype is not None:
+        raise ValueError(f"quantize: scale_dtype applies to int4 formats only, not {format}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"quantize: backend must be one of {_BACKENDS}, got {backend!r}")
+    _check_input(x, fmt, gran, stacked)
+
+    x = x.detach().contiguous()
+    native = _use_native(x, backend)
+    shape = tuple(x.shape)
+    k = shape[-1]
+    lead = shape[:-1]
+
+    def make(
+        data: torch.Tensor,
+        scales: torch.Tensor,
+        *,
+        scale_rule: str | None = None,
+        global_scale: torch.Tensor | None = None,
+    ) -> QuantizedTensor:
+        return QuantizedTensor(
+            data, scales, format, shape, x.dtype, gran, scale_rule, global_scale, stacked
+        )
+
+    if fmt.family == "fp8":
+        el = fmt.element
+        assert el is not None
+        assert el.torch_dtype is not None
+        per_matrix = gran == "tensor"
+        if gran == "128x128":
+            b, r = math.prod(shape[:-2]), shape[-2]
+        elif per_matrix and stacked:
+            b, r = shape[0], math.prod(shape[1:-1])
+        else:
+            b, r = 1, math.prod(lead)
+        x3 = x.reshape(b, r, k)
+        tile = fp8_tile(gran, r, k)
+        if native:
+            codes, s = _native.fp8(x3, el, tile, per_matrix, threads)
+        else:
+            codes, s = _reference.fp8(x3, el, tile, per_matrix)
+        if per_matrix:
+            scales = s.reshape(b) if stacked else s.reshape(())
+        elif gran == "128x128":
+            scales = s.reshape(*shape[:-2], *s.shape[1:])
+        else:
+            scales = s.reshape(*lead, s.shape[-1])
+        data = codes.view(el.torch_dtype).reshape(shape)
+        return make(data, scales)
+
+    if fmt.family == "mx":
+        el = fmt.element
+        assert el is not None
+        assert rule is not None
+        x2 = x.reshape(math.prod(lead), k)
+        if native:
+            d, s = _native.mx(x2, el, rule, threads)
+        else:
+            d, s = _reference.mx(x2, el, rule)
+        data = d.reshape(*lead, d.shape[-1])
+        if el.torch_dtype is not None:
+            data = data.view(el.torch_dtype)
+        scales = s.reshape(*lead, s.shape[-1]).view(torch.float8_e8m0fnu)
+        return make(data, scales, scale_rule=rule)
+
+    if fmt.family == "nvfp4":
+        b, r = (shape[0], math.prod(shape[1:-1])) if stacked else (1, math.prod(lead))
+        x3 = x.reshape(b, r, k)
+        tile16 = gran == "16x16"
+        if native:
+            d, s, g = _native.nvfp4(x3, tile16, threads)
+        else:
+            d, s, g = _reference.nvfp4(x3, tile16)
+        data = d.reshape(*lead, d.shape[-1])
+        scales = s.reshape(*lead, s.shape[-1]).view(torch.float8_e4m3fn)
+        gscale = g.reshape(b) if stacked else g.reshape(())
+        return make(data, scales, global_scale=gscale)
+
+    assert fmt.family == "int4"
+    sd = x.dtype if scale_dtype is None else scale_dtype
+    if sd not in INPUT_DTYPES:
+        raise ValueError(f"quantize: scale_dtype must be float32, bfloat16 or float16, got {sd}")
+    x2 = x.reshape(math.prod(lead), k)
+    if native:
+        d, s = _native.int4(x2, fmt.group, sd, threads)
+    else:
+        d, s = _reference.int4(x2, fmt.group, sd)
+    data = d.reshape(*lead, d.shape[-1])
+    scales = s.reshape(*lead, s.shape[-1])
+    return make(data, scales)
+
+
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _expand_last(t: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    return t.repeat_interleave(group, dim=-1)[..., :k]
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Reads a QuantizedTensor back: element value times its scale, in fp32, then one rounding
+    to `dtype` (float32, bfloat16 or float16).
+
+    NVFP4 multiplies each element by (global scale * block scale), the product first
+    (torchao's order). A NaN scale (a poisoned group) gives NaN for the whole group.
+
+    Returns:
+        A tensor of q.shape and `dtype` on q.data's device.
+    """
+    if dtype not in _OUT_DTYPES:
+        raise ValueError(f"dequantize: dtype must be float32, bfloat16 or float16, got {dtype}")
+    fmt = FORMATS[q.format]
+    shape = q.shape
+    k = shape[-1]
+    if fmt.family == "fp8":
+        v = q.data.to(torch.float32)
+        s = q.scales
+        if q.granularity == "tensor":
+            s = s.reshape(*s.shape, *([1] * (len(shape) - s.dim())))
+        elif q.granularity == "1x128":
+            s = _expand_last(s, 128, k)
+        elif q.granularity == "128x128":
+            s = _expand_last(s, 128, k).repeat_interleave(128, dim=-2)[..., : shape[-2], :]
+        out = v * s
+    elif fmt.family == "mx":
+        el = fmt.element
+        assert el is not None
+        if el.torch_dtype is None:
+            v = _bits.decode(unpack_nibbles(q.data, k), E2M1)
+        else:
+            v = q.data.to(torch.float32)
+        s = _bits.e8m0_value(q.scales.view(torch.uint8))
+        out = v * _expand_last(s, 32, k)
+    elif fmt.family == "nvfp4":
+        assert q.global_scale is not None
+        v = _bits.decode(unpack_nibbles(q.data, k), E2M1)
+        g = q.global_scale.reshape(
+            *q.global_scale.shape, *([1] * (len(shape) - q.global_scale.dim()))
+        )
+        s = g * q.scales.to(torch.float32)
+        out = v * _expand_last(s, 16, k)
+    else:
+        codes = unpack_nibbles(q.data, k).to(torch.int32) - 8
+        s = q.scales.to(torch.float32)
+        out = codes.to(torch.float32) * _expand_last(s, fmt.group, k)
+    return out.reshape(shape).to(dtype)

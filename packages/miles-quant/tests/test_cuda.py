@@ -1,0 +1,73 @@
+"""The CUDA kernels (native/quant/cuda): compiled with nvcc wherever it exists; run against the
+reference only on a GPU (marked `gpu`), in a build with -Ccmake.define.MILES_QUANT_CUDA=ON."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from _quant_testlib import assert_same_quantized, format_cases
+
+import miles_quant as mq
+
+NATIVE = Path(__file__).resolve().parents[3] / "native" / "quant"
+CASES = format_cases()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_kernels_compile_with_the_contract_flags(tmp_path: Path) -> None:
+    src = NATIVE / "cuda" / "quantize.cu"
+    assert src.exists(), src
+    r = subprocess.run(
+        [
+            "nvcc", "-std=c++17", "-O2", "-fmad=false", "-prec-div=true", "-prec-sqrt=true",
+            "-ftz=false", f"-I{NATIVE / 'include'}", "-gencode", "arch=compute_90,code=sm_90",
+            "-Werror", "all-warnings", "-c", str(src), "-o", str(tmp_path / "quantize.o"),
+        ],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "quantize.o").stat().st_size > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("fmt", "gran", "rule"), CASES, ids=[f"{f}-{g}-{r}" for f, g, r in CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_equals_reference(fmt: str, gran: str, rule: str | None, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 544, generator=g) * torch.logspace(-4, 4, 544)
+    x[3, 5] = float("nan")
+    x[200:260] = 0
+    if dtype == torch.float16:
+        x = x.clamp(-60000, 60000)
+    x = x.to(dtype)
+    ref = mq.quantize(x, fmt, granularity=gran, scale_rule=rule, backend="torch")
+    got = mq.quantize(x.cuda(), fmt, granularity=gran, scale_rule=rule, backend="native")
+    torch.cuda.synchronize()
+    cpu = mq.QuantizedTensor(
+        data=got.data.cpu(),
+        scales=got.scales.cpu(),
+        format=got.format,
+        shape=got.shape,
+        dtype=got.dtype,
+        granularity=got.granularity,
+        scale_rule=got.scale_rule,
+        global_scale=None if got.global_scale is None else got.global_scale.cpu(),
+        stacked=got.stacked,
+    )
+    assert_same_quantized(cpu, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_reference_backend_equals_cpu_reference() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(128, 256, generator=g).to(torch.bfloat16)
+    for fmt, gran, rule in CASES:
+        a = mq.quantize(x, fmt, granularity=gran, scale_rule=rule, backend="torch")
+        b = mq.quantize(x.cuda(), fmt, granularity=gran, scale_rule=rule, backend="torch")
+        assert torch.equal(a.data.view(torch.uint8), b.data.cpu().view(torch.uint8)), fmt
