@@ -3,6 +3,14 @@
 Depends on torch and the standard library only, so it installs alone into any RL stack.
 """
 
+from miles_transfer._delta import (
+    DeltaBaseError,
+    DeltaReport,
+    MaterializeReport,
+    encode_delta,
+    materialize_delta,
+)
+from miles_transfer._delta_apply import VerifyReport, apply_delta, recover_target, verify_delta
 from miles_transfer._digest import tensor_digest
 from miles_transfer._http import HTTPReceiver, ReceiverError
 from miles_transfer._module_receiver import ModuleReceiver
@@ -26,22 +34,31 @@ from miles_transfer.version import __version__
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "DeltaBaseError",
+    "DeltaReport",
     "HTTPReceiver",
+    "MaterializeReport",
     "ModuleReceiver",
     "ReceiverError",
     "SyncReport",
+    "VerifyReport",
     "WeightMismatchError",
     "WeightReceiver",
     "WeightServer",
     "__version__",
+    "apply_delta",
     "bucketize",
     "deserialize_named_tensors",
     "discard_serialized",
+    "encode_delta",
     "iter_full_state",
     "iter_safetensors",
+    "materialize_delta",
     "push_module_weights",
     "push_weights",
+    "recover_target",
     "save_safetensors",
     "serialize_named_tensors",
     "tensor_digest",
+    "verify_delta",
 ]

@@ -1,0 +1,227 @@
+"""The disk-delta codec: per-chunk xor / overwrite patches, zstd level 1, xxh3 checksums.
+
+A tensor is compared with its base bit for bit (both viewed as integers of the element width)
+in chunks of ``chunk_elems`` elements. An unchanged chunk costs nothing. A changed chunk is
+stored either *sparse* (the gaps between changed positions as int32, then the values) or
+*dense* (every element), byte-shuffled (all first bytes, then all second bytes, ...) so that
+zstd sees the long runs of equal high bytes, and compressed as one zstd frame:
+
+- ``xor``: values are ``new ^ base`` (high bytes mostly zero: the smallest payload). Applies
+  to exactly the base it was made from; applying it twice undoes it, so the apply side checks
+  the base checksum first.
+- ``overwrite``: values are the new elements themselves. Applying it again, or to a target that
+  already holds the result, gives the same result (idempotent).
+
+zstd and xxh3 come from the optional extra ``miles-transfer[delta]`` (``backports.zstd`` before
+Python 3.14, whose standard library has ``compression.zstd``; ``xxhash``); they are imported on
+first use only, so the rest of the package works without them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from miles_transfer._bytes import byte_view
+
+__all__ = [
+    "ENCODINGS",
+    "ZSTD_LEVEL",
+    "ChunkPatch",
+    "Encoding",
+    "apply_chunk",
+    "checksum",
+    "checksum_bytes",
+    "compress",
+    "decompress",
+    "encode_chunk",
+    "int_view",
+    "payload_checksum",
+    "writable_view",
+]
+
+Encoding = Literal["xor", "overwrite"]
+ENCODINGS: tuple[str, ...] = ("xor", "overwrite")
+ZSTD_LEVEL = 1
+INSTALL_HINT = "pip install 'miles-transfer[delta]'"
+# A changed chunk is stored sparse while at most this fraction of its elements changed: a sparse
+# element costs 4 index bytes plus its value, a dense one only its value (and zeros are cheap).
+SPARSE_MAX_FRACTION = 0.125
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_mods: dict[str, ModuleType] = {}
+
+
+def _module(name: str) -> ModuleType:
+    """Import zstd or xxhash lazily; a missing one raises an ImportError naming the pip command."""
+    if name not in _mods:
+        if name == "xxhash":
+            candidates = ["xxhash"]
+        elif sys.version_info >= (3, 14):
+            candidates = ["compression.zstd", "backports.zstd"]  # stdlib zstd from 3.14 on
+        else:
+            candidates = ["backports.zstd"]
+        for candidate in candidates:
+            try:
+                _mods[name] = importlib.import_module(candidate)
+                break
+            except ImportError:
+                continue
+        else:
+            raise ImportError(
+                f"miles-transfer disk deltas need {' or '.join(candidates)} (zstd compression "
+                f"and xxh3 checksums); install them with: {INSTALL_HINT}"
+            )
+    return _mods[name]
+
+
+def checksum(t: torch.Tensor) -> str:
+    """xxh3-128 hex digest of a contiguous CPU tensor's raw bytes (dtype and shape not hashed)."""
+    return str(_module("xxhash").xxh3_128_hexdigest(byte_view(t)))
+
+
+def checksum_bytes(data: bytes | memoryview) -> str:
+    """xxh3-128 hex digest of raw bytes (the other files of a checkpoint)."""
+    return str(_module("xxhash").xxh3_128_hexdigest(data))
+
+
+def payload_checksum(data: bytes | memoryview) -> str:
+    """xxh3-64 hex digest of a compressed blob (detects corruption before decompressing)."""
+    return str(_module("xxhash").xxh3_64_hexdigest(data))
+
+
+def compress(data: bytes | memoryview) -> bytes:
+    """One zstd frame at level 1 (content size recorded in the frame)."""
+    return bytes(_module("zstd").compress(data, level=ZSTD_LEVEL))
+
+
+def decompress(blob: bytes, expected_size: int) -> bytes:
+    """Decompress one zstd frame and check its size.
+
+    Raises:
+        ValueError: the blob is not a valid zstd frame or holds a different number of bytes.
+    """
+    zstd = _module("zstd")
+    try:
+        out = zstd.decompress(blob)
+    except zstd.ZstdError as e:
+        raise ValueError(f"corrupted zstd data: {e}") from e
+    if len(out) != expected_size:
+        raise ValueError(f"decompressed {len(out)} bytes, expected {expected_size}")
+    return bytes(out)
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat view of a contiguous tensor as unsigned/signed integers of its element width."""
+    flat = t.reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    return flat.view(_INT_OF_SIZE[flat.element_size()])
+
+
+def writable_view(t: torch.Tensor) -> memoryview:
+    """A writable ``memoryview`` of a contiguous CPU tensor's bytes (for ``readinto``)."""
+    assert t.device.type == "cpu", t.device
+    assert t.is_contiguous(), t.stride()
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def _shuffle(x: torch.Tensor) -> torch.Tensor:
+    """Byte planes of a 1-D integer tensor: ``[n, w]`` bytes transposed to ``[w, n]``."""
+    w = x.element_size()
+    if w == 1:
+        return x.view(torch.uint8)
+    return x.view(torch.uint8).view(-1, w).t().contiguous().view(-1)
+
+
+def _unshuffle(raw: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
+    w = dtype.itemsize
+    if w == 1:
+        return raw.view(dtype)
+    return raw.view(w, n).t().contiguous().view(-1).view(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPatch:
+    """One changed chunk of a tensor, ready to store.
+
+    Attributes:
+        index: chunk number within the tensor (elements ``[index * chunk_elems, ...)``).
+        layout: ``"sparse"`` (gaps + values) or ``"dense"`` (every element).
+        changed: how many elements differ from the base.
+        blob: the zstd frame.
+        raw_size: bytes inside the frame.
+    """
+
+    index: int
+    layout: Literal["sparse", "dense"]
+    changed: int
+    blob: bytes
+    raw_size: int
+
+
+def encode_chunk(
+    index: int, base: torch.Tensor, new: torch.Tensor, encoding: Encoding
+) -> ChunkPatch | None:
+    """Encode one chunk (two 1-D integer views of equal dtype and length); None if unchanged."""
+    if torch.equal(base, new):
+        return None
+    x = torch.bitwise_xor(base, new)
+    pos = torch.nonzero(x).squeeze(1)
+    k, n = pos.numel(), x.numel()
+    if k <= n * SPARSE_MAX_FRACTION:
+        gaps = torch.diff(pos, prepend=pos.new_zeros(1)).to(torch.int32)
+        values = (x if encoding == "xor" else new)[pos]
+        raw = torch.cat([_shuffle(gaps), _shuffle(values)])
+        layout: Literal["sparse", "dense"] = "sparse"
+    else:
+        raw = _shuffle(x if encoding == "xor" else new.contiguous())
+        layout = "dense"
+    return ChunkPatch(index, layout, k, compress(byte_view(raw)), raw.numel())
+
+
+def apply_chunk(
+    target: torch.Tensor,
+    layout: str,
+    changed: int,
+    raw: bytes,
+    encoding: Encoding,
+) -> None:
+    """Patch one chunk in place (a 1-D integer view) from its decompressed bytes.
+
+    Raises:
+        ValueError: the bytes do not describe a valid patch of this chunk.
+    """
+    n, w = target.numel(), target.element_size()
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
+    if layout == "dense":
+        if len(raw) != n * w:
+            raise ValueError(f"a dense chunk holds {len(raw)} bytes, expected {n * w}")
+        values = _unshuffle(buf, target.dtype, n)
+        if encoding == "xor":
+            target.bitwise_xor_(values)
+        else:
+            target.copy_(values)
+        return
+    if layout != "sparse" or len(raw) != changed * (4 + w) or not 0 < changed <= n:
+        raise ValueError(f"malformed {layout!r} chunk ({len(raw)} bytes, {changed} changed)")
+    gaps = _unshuffle(buf[: 4 * changed], torch.int32, changed).to(torch.int64)
+    if int(gaps[0]) < 0 or (changed > 1 and int(gaps[1:].min()) <= 0):
+        raise ValueError("malformed sparse chunk: positions are not strictly increasing")
+    pos = torch.cumsum(gaps, 0)
+    if int(pos[-1]) >= n:
+        raise ValueError(f"malformed sparse chunk: position {int(pos[-1])} >= chunk size {n}")
+    values = _unshuffle(buf[4 * changed :], target.dtype, changed)
+    if encoding == "xor":
+        target[pos] = target[pos].bitwise_xor_(values)
+    else:
+        target[pos] = values
