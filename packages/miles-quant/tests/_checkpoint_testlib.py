@@ -16,18 +16,18 @@ HIDDEN = 128
 def qwen3_config(**overrides: Any) -> Any:
     from transformers import Qwen3Config
 
-    kw: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=64,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-    )
+    kw: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 64,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+    }
     kw.update(overrides)
     return Qwen3Config(**kw)
 
@@ -35,21 +35,21 @@ def qwen3_config(**overrides: Any) -> Any:
 def qwen3_moe_config(**overrides: Any) -> Any:
     from transformers import Qwen3MoeConfig
 
-    kw: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=256,
-        moe_intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-    )
+    kw: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 64,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+    }
     kw.update(overrides)
     return Qwen3MoeConfig(**kw)
 

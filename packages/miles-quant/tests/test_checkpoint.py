@@ -94,7 +94,8 @@ def test_export_has_the_bits_of_quantize(fmt: str, src: Path, exported: dict[str
         assert same_bits(q.data, want.data[rows]), name
         assert same_bits(q.scales, want.scales[rows]), name
         if fmt == "nvfp4":
-            assert want.global_scale is not None and q.global_scale is not None
+            assert want.global_scale is not None
+            assert q.global_scale is not None
             assert same_bits(q.global_scale, want.global_scale), name
     for name, why in plan.kept.items():
         t = got[name]
@@ -130,7 +131,8 @@ def test_layout_names_dtypes_shapes(exported: dict[str, Path]) -> None:
         torch.float8_e4m3fn,
         (128, 16),
     )
-    assert nv[m + "weight_scale_2"].shape == () and nv[m + "input_scale"].shape == ()
+    assert nv[m + "weight_scale_2"].shape == ()
+    assert nv[m + "input_scale"].shape == ()
     mx = read_all(exported["mxfp4"])
     assert mx[m + "weight_blocks"].shape == (128, 8, 16)
     assert (mx[m + "weight_scales"].dtype, mx[m + "weight_scales"].shape) == (torch.uint8, (128, 8))
@@ -154,8 +156,15 @@ def test_config_and_side_files(fmt: str, src: Path, exported: dict[str, Path]) -
     q = cfg["quantization_config"]
     kept = {"lm_head", "model.embed_tokens"} | {
         f"model.layers.2.{m}"
-        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-        + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
     }
     if fmt == "fp8_block128":
         assert (q["quant_method"], q["fmt"], q["weight_block_size"]) == ("fp8", "e4m3", [128, 128])
@@ -166,7 +175,8 @@ def test_config_and_side_files(fmt: str, src: Path, exported: dict[str, Path]) -
         hf = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
         assert (hf["quant_algo"], set(hf["exclude_modules"])) == ("NVFP4", kept)
     elif fmt == "mxfp4":
-        assert q["quant_method"] == "mxfp4" and set(q["modules_to_not_convert"]) == kept
+        assert q["quant_method"] == "mxfp4"
+        assert set(q["modules_to_not_convert"]) == kept
     else:
         w = q["config_groups"]["group_0"]["weights"]
         assert (q["quant_method"], q["format"]) == ("compressed-tensors", "pack-quantized")
@@ -209,7 +219,8 @@ def test_sharded_output_and_input(src: Path, tmp_path: Path) -> None:
     export_checkpoint(src, out, "int4_g32", max_shard_bytes=100_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
-    assert len(files) > 3 and all((out / f).is_file() for f in files)
+    assert len(files) > 3
+    assert all((out / f).is_file() for f in files)
     # A sharded source converts too, to the same tensors.
     again = tmp_path / "again"
     dequantize_checkpoint(out, again, max_shard_bytes=100_000)
@@ -221,4 +232,5 @@ def test_sharded_output_and_input(src: Path, tmp_path: Path) -> None:
         r = b[name]
         if isinstance(q, mq.QuantizedTensor):
             assert isinstance(r, mq.QuantizedTensor)
-            assert same_bits(q.data, r.data) and same_bits(q.scales, r.scales)  # idempotent
+            assert same_bits(q.data, r.data)
+            assert same_bits(q.scales, r.scales)
