@@ -205,9 +205,10 @@ def quantization_config(
     layout names them under the key its loaders read.
     """
     kept = sorted(kept_modules)
+    cfg: dict[str, Any]
     producer = {"name": "miles-quant", "version": __version__}
     if fmt == "fp8_block128":
-        cfg: dict[str, Any] = {
+        cfg = {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
@@ -217,7 +218,7 @@ def quantization_config(
         }
         return cfg, {}
     if fmt == "nvfp4":
-        cfg: dict[str, Any] = {
+        cfg = {
             "quant_method": "modelopt",
             "quant_algo": "NVFP4",
             "group_size": 16,
@@ -237,7 +238,7 @@ def quantization_config(
         }
         return cfg, {"hf_quant_config.json": hf_quant}
     if fmt == "mxfp4":
-        cfg: dict[str, Any] = {
+        cfg = {
             "quant_method": "mxfp4",
             "modules_to_not_convert": kept,
             "scale_rule": scale_rule or "floor",  # informational; the scales are stored
@@ -256,7 +257,7 @@ def quantization_config(
         "observer": "minmax",
         "observer_kwargs": {},
     }
-    cfg: dict[str, Any] = {
+    cfg = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
