@@ -1,0 +1,327 @@
+"""Where bucket buffers live: all in RAM (`CpuStore`) or in files streamed through a small pool
+of buffers (`NvmeStore`).
+
+`visit(order, fn)` hands every listed bucket's buffer to ``fn`` (in the caller's thread) and
+keeps what ``fn`` changed. `NvmeStore` pipelines it over a pool of three pre-faulted, aligned,
+io_uring-registered buffers: while ``fn`` updates bucket i, a reader thread loads bucket i+1 and
+a writer thread stores bucket i-1, so at most three buckets are resident at any time.
+
+Crash safety: each bucket has two files (slots 0 and 1). A pass that writes buckets puts every
+bucket into the slot the committed manifest does not name, syncs the files, then atomically
+replaces ``manifest.json`` (write, fsync, rename, fsync the directory). A crash before the
+rename leaves the previous manifest and every file it names untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles_offload._format import CorruptStateError, decode_header, encode_header
+from miles_offload._layout import Bucket
+from miles_offload._pager import Pager, aligned_empty, open_direct
+
+__all__ = ["MANIFEST", "POOL_BUFFERS", "CpuStore", "NvmeStore"]
+
+MANIFEST = "manifest.json"
+POOL_BUFFERS = 3  # resident bucket buffers of NvmeStore: read i+1, update i, write i-1
+_MANIFEST_FORMAT = "miles-offload-manifest"
+
+VisitFn = Callable[[Bucket, torch.Tensor], None]
+
+
+class CpuStore:
+    """Every bucket resident in (pinned when CUDA is available) CPU memory."""
+
+    def __init__(self, buckets: list[Bucket], *, pin: bool) -> None:
+        self.buckets = buckets
+        self._bufs = [aligned_empty(b.nbytes, pin=pin) for b in buckets]
+        self.resident_bytes = sum(b.nbytes for b in buckets)
+        self.peak_resident_bytes = self.resident_bytes
+
+    def visit(self, order: list[int], fn: VisitFn, *, read: bool = True, write: bool = True) -> None:
+        del read, write  # the buffers are the state
+        for i in order:
+            fn(self.buckets[i], self._bufs[i])
+
+    def close(self) -> None:
+        self._bufs = []
+
+
+class NvmeStore:
+    """Buckets in per-bucket files under ``path``, streamed through `POOL_BUFFERS` buffers.
+
+    Args:
+        path: directory for the files (created if missing).
+        buckets: the layout.
+        descs: per bucket, the segment description stored in (and checked against) headers.
+        steps: per parameter, its step tensor (read when a header is written).
+        digest: layout digest kept in the manifest.
+        resume: open the committed state in ``path`` instead of starting fresh.
+        queue_depth, block_size, backend: `Pager` settings.
+        durable: fdatasync the files and fsync the manifest at every commit.
+        pin: page-lock the pool buffers (CUDA only).
+
+    Raises:
+        ValueError: ``resume`` without a manifest, or the manifest is for another layout.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        buckets: list[Bucket],
+        descs: list[list[dict]],
+        steps: list[torch.Tensor],
+        digest: str,
+        *,
+        resume: bool,
+        queue_depth: int,
+        block_size: int,
+        backend: str,
+        durable: bool,
+        pin: bool,
+    ) -> None:
+        self.path = Path(path)
+        self.buckets = buckets
+        self._descs = descs
+        self._steps = steps
+        self._durable = durable
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._manifest: dict[str, Any]
+        if resume:
+            self._manifest = self._load_manifest(digest)
+        else:
+            self._manifest = {
+                "format": _MANIFEST_FORMAT,
+                "version": 1,
+                "layout": digest,
+                "generation": 0,
+                "buckets": [{"slot": 1, "generation": 0} for _ in buckets],
+            }
+        size = max(b.nbytes for b in buckets)
+        self._pool = [aligned_empty(size, pin=pin) for _ in range(min(POOL_BUFFERS, len(buckets)))]
+        self.resident_bytes = size * len(self._pool)
+        self.peak_resident_bytes = 0
+        self._out = 0
+        self._out_lock = threading.Lock()
+        self._readp = Pager(queue_depth=queue_depth, block_size=block_size, backend=backend)
+        self._writep = Pager(queue_depth=queue_depth, block_size=block_size, backend=backend)
+        self.backend = self._readp.backend
+        self.registered = self._readp.register(self._pool) and self._writep.register(self._pool)
+        self._reader = ThreadPoolExecutor(1, "miles-offload-read")
+        self._writer = ThreadPoolExecutor(1, "miles-offload-write")
+        self._fds: dict[tuple[int, int], int] = {}
+        self.direct = True
+        # Test hook: called in the writer thread after each bucket file is written.
+        self._after_write: Callable[[int], None] | None = None
+
+    # ------------------------------------------------------------------ files
+
+    def _file(self, i: int, slot: int) -> Path:
+        return self.path / f"bucket_{i:06d}.{slot}.bin"
+
+    def _fd(self, i: int, slot: int, *, create: bool) -> int:
+        fd = self._fds.get((i, slot))
+        if fd is None:
+            fd, direct = open_direct(self._file(i, slot), create=create)
+            self.direct = self.direct and direct
+            self._fds[(i, slot)] = fd
+        return fd
+
+    def _load_manifest(self, digest: str) -> dict[str, Any]:
+        mpath = self.path / MANIFEST
+        if not mpath.exists():
+            raise ValueError(
+                f"resume=True but {mpath} does not exist: no committed optimizer state in "
+                f"{self.path}; pass resume=False to start fresh"
+            )
+        try:
+            manifest: dict[str, Any] = json.loads(mpath.read_text())
+        except (OSError, ValueError) as exc:
+            raise CorruptStateError(f"{mpath}: unreadable manifest ({exc})") from exc
+        if manifest.get("format") != _MANIFEST_FORMAT or manifest.get("version") != 1:
+            raise CorruptStateError(f"{mpath}: not a miles-offload manifest (version 1)")
+        if manifest["layout"] != digest or len(manifest["buckets"]) != len(self.buckets):
+            raise ValueError(
+                f"{self.path} holds optimizer state for another bucket layout (other parameters "
+                "or bucket_mb/moment_dtype): build the optimizer with the settings that wrote "
+                "it, or move state across layouts with state_dict() / load_state_dict()"
+            )
+        return manifest
+
+    def _read(self, i: int, buf: torch.Tensor, *, verify: bool = True) -> dict[str, Any]:
+        b = self.buckets[i]
+        entry = self._manifest["buckets"][i]
+        if entry["generation"] == 0:
+            raise CorruptStateError(f"bucket {i} of {self.path} was never committed")
+        slot = entry["slot"]
+        where = str(self._file(i, slot))
+        try:
+            fd = self._fd(i, slot, create=False)
+        except FileNotFoundError as exc:
+            raise CorruptStateError(f"{where}: missing bucket file") from exc
+        size = os.fstat(fd).st_size
+        if size < b.nbytes:
+            raise CorruptStateError(
+                f"{where}: truncated ({size} bytes, expected {b.nbytes}); the optimizer state "
+                "cannot be recovered from this directory"
+            )
+        n = b.nbytes if verify else b.header_bytes
+        self._readp.read(fd, 0, buf[:n])
+        meta = decode_header(buf, b, self._descs[i], where, verify_payload=verify)
+        if meta["generation"] != entry["generation"]:
+            raise CorruptStateError(
+                f"{where}: generation {meta['generation']}, the manifest expects "
+                f"{entry['generation']} (a stale or overwritten file)"
+            )
+        return meta
+
+    def _write(self, i: int, buf: torch.Tensor, generation: int) -> int:
+        b = self.buckets[i]
+        slot = 1 - self._manifest["buckets"][i]["slot"]
+        steps = [float(self._steps[s.param]) for s in b.segments]
+        encode_header(buf, b, self._descs[i], steps, generation)
+        fd = self._fd(i, slot, create=True)
+        if os.fstat(fd).st_size != b.nbytes:
+            os.ftruncate(fd, b.nbytes)
+        self._writep.write(fd, 0, buf[: b.nbytes])
+        if self._after_write is not None:
+            self._after_write(i)
+        return slot
+
+    def read_steps(self) -> dict[int, float]:
+        """Per parameter, the step recorded in the committed headers (reads headers only)."""
+        out: dict[int, float] = {}
+        buf = self._pool[0]
+        for i, b in enumerate(self.buckets):
+            meta = self._read(i, buf, verify=False)
+            for seg, step in zip(b.segments, meta["steps"]):
+                out[seg.param] = float(step)
+        return out
+
+    # ------------------------------------------------------------------ the pipeline
+
+    def _take(self, free: queue.Queue[torch.Tensor], abort: threading.Event) -> torch.Tensor:
+        while True:
+            try:
+                buf = free.get(timeout=0.05)
+            except queue.Empty:
+                if abort.is_set():
+                    raise RuntimeError("aborted") from None
+                continue
+            with self._out_lock:
+                self._out += 1
+                self.peak_resident_bytes = max(
+                    self.peak_resident_bytes, self._out * self._pool[0].numel()
+                )
+            return buf
+
+    def _give(self, free: queue.Queue[torch.Tensor], buf: torch.Tensor) -> None:
+        with self._out_lock:
+            self._out -= 1
+        free.put(buf)
+
+    def visit(self, order: list[int], fn: VisitFn, *, read: bool = True, write: bool = True) -> None:
+        """Run ``fn`` on each bucket of ``order``; with ``write``, commit the results.
+
+        ``read=False`` skips loading (``fn`` must then fill the whole bucket). On any error
+        nothing is committed: the previous state stays the committed one.
+        """
+        if not order:
+            return
+        free: queue.Queue[torch.Tensor] = queue.Queue()
+        for b in self._pool:
+            free.put(b)
+        abort = threading.Event()
+        generation = self._manifest["generation"] + 1
+
+        def load(i: int) -> torch.Tensor:
+            buf = self._take(free, abort)
+            try:
+                if read:
+                    self._read(i, buf)
+            except BaseException:
+                self._give(free, buf)
+                raise
+            return buf
+
+        def store(i: int, buf: torch.Tensor) -> int:
+            try:
+                return self._write(i, buf, generation)
+            finally:
+                self._give(free, buf)
+
+        loads = [self._reader.submit(load, i) for i in order]
+        stores: list[Future[int]] = []
+        try:
+            for i, fut in zip(order, loads):
+                buf = fut.result()
+                try:
+                    fn(self.buckets[i], buf)
+                except BaseException:
+                    self._give(free, buf)
+                    raise
+                if write:
+                    stores.append(self._writer.submit(store, i, buf))
+                else:
+                    self._give(free, buf)
+            slots = [s.result() for s in stores]
+        except BaseException:
+            abort.set()
+            for f in loads:
+                f.cancel()
+            for f in [*loads, *stores]:
+                if not f.cancelled():
+                    try:
+                        f.result()
+                    except BaseException:  # the first error is the one raised
+                        pass
+            raise
+        if write:
+            self._commit(order, slots, generation)
+
+    def _commit(self, order: list[int], slots: list[int], generation: int) -> None:
+        if self._durable:
+            for i, slot in zip(order, slots):
+                os.fdatasync(self._fds[(i, slot)])
+        manifest = json.loads(json.dumps(self._manifest))
+        manifest["generation"] = generation
+        for i, slot in zip(order, slots):
+            manifest["buckets"][i] = {"slot": slot, "generation": generation}
+        tmp = self.path / (MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(manifest, f)
+            f.flush()
+            if self._durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, self.path / MANIFEST)
+        if self._durable:
+            dfd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        self._manifest = manifest
+
+    def pager_stats(self) -> dict[str, int]:
+        """Read and write pager counters added together."""
+        r, w = self._readp.stats(), self._writep.stats()
+        return {k: r[k] + w[k] for k in r}
+
+    def close(self) -> None:
+        """Close the files and stop the I/O threads (the committed state stays on disk)."""
+        self._reader.shutdown()
+        self._writer.shutdown()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._readp.close()
+        self._writep.close()
