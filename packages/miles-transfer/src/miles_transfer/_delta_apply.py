@@ -153,8 +153,9 @@ def apply_delta(
             report, _ = materialize_checkpoint(idx, delta, staging, progress=progress)
         _swap(target, staging)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(target / BACKUP, ignore_errors=True)
+        if not (target / JOURNAL).exists():  # else a failed rollback: recover_target needs them
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(target / BACKUP, ignore_errors=True)
     return MaterializeReport(
         path=target,
         version=report.version,

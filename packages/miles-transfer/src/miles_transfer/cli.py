@@ -13,6 +13,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from miles_transfer._delta_cli import add_delta_parser
 from miles_transfer._digest import tensor_digest
 from miles_transfer._safetensors import iter_safetensors
 from miles_transfer.version import __version__
@@ -67,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser; each subcommand sets ``func`` (Namespace -> exit code)."""
     parser = argparse.ArgumentParser(
         prog="miles-transfer",
-        description="Inspect and compare HF safetensors checkpoints bit for bit.",
+        description=(
+            "Inspect and compare HF safetensors checkpoints bit for bit; encode, apply and "
+            "verify disk deltas between them."
+        ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -83,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("a", help="checkpoint A (file or directory)")
     p.add_argument("b", help="checkpoint B (file or directory)")
     p.set_defaults(func=_cmd_compare)
+
+    add_delta_parser(sub)  # delta encode|apply|verify (_delta_cli.py)
     return parser
 
 
