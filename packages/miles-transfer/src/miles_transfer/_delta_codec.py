@@ -147,7 +147,9 @@ def _unshuffle(raw: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
     w = dtype.itemsize
     if w == 1:
         return raw.view(dtype)
-    return raw.view(w, n).t().contiguous().view(-1).view(dtype)
+    out = torch.empty((n, w), dtype=torch.uint8)  # fresh, so aligned for the dtype view
+    out.copy_(raw.view(w, n).t())
+    return out.view(-1).view(dtype)
 
 
 @dataclass(frozen=True, slots=True)
