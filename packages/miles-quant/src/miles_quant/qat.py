@@ -36,7 +36,7 @@ class _FakeQuantInt4(torch.autograd.Function):
     """Forward: INT4 quantize-then-dequantize. Backward: the identity."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         w: torch.Tensor,
         fmt: str,
@@ -47,7 +47,7 @@ class _FakeQuantInt4(torch.autograd.Function):
         return dequantize(q, w.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return grad, None, None, None
 
 

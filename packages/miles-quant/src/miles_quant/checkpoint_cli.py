@@ -1,0 +1,190 @@
+"""Command line for `miles_quant.checkpoint`: convert an HF checkpoint to an engine layout.
+
+Installed as ``miles-quant-checkpoint``; ``tools/quantize_checkpoint.py`` runs the same
+``main``. ``--help`` lists the flags; the README's "Checkpoints" section has examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles_quant.checkpoint import LAYOUTS, dequantize_checkpoint, export_checkpoint, plan_export
+
+__all__ = ["build_parser", "main"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper()
+    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(t)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for docs and tests)."""
+    p = argparse.ArgumentParser(
+        prog="miles-quant-checkpoint",
+        description=(
+            "Quantize an HF safetensors checkpoint into the layout an engine loads "
+            "(fp8_block128: DeepSeek FP8; nvfp4: ModelOpt; mxfp4: gpt-oss; int4_g32 / "
+            "int4_g128: compressed-tensors W4A16), or --dequantize one back to a plain "
+            "checkpoint. Embeddings, lm_head, norms, routers and biases are always kept."
+        ),
+    )
+    p.add_argument("src", type=Path, help="source model directory (config.json + safetensors)")
+    p.add_argument("dst", type=Path, help="output directory (created atomically)")
+    p.add_argument("-f", "--format", choices=sorted(LAYOUTS), help="quantization format")
+    p.add_argument(
+        "--keep",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="keep matching tensors in source precision: a glob on tensor or module names "
+        "('*.self_attn.*', 'model.layers.0') or 're:' + a regex; repeatable",
+    )
+    p.add_argument("--keep-first-layers", type=int, default=0, metavar="N")
+    p.add_argument("--keep-last-layers", type=int, default=0, metavar="N")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        metavar="PATTERN",
+        help="quantize only matching tensors (e.g. '*.experts.*' for W4A16 experts); repeatable",
+    )
+    p.add_argument("--scale-rule", choices=("floor", "rceil", "even"), help="mxfp4 E8M0 rule")
+    p.add_argument(
+        "--input-amax",
+        type=Path,
+        metavar="JSON",
+        help="nvfp4: a JSON object {module name: activation amax} from calibration",
+    )
+    p.add_argument("--max-shard-size", type=_size, default="5GB", help="e.g. 2GB, 500MiB")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dst")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="write a plain HF checkpoint from the quantized src instead",
+    )
+    p.add_argument("--dtype", choices=sorted(_DTYPES), help="--dequantize output dtype")
+    return p
+
+
+def _progress(enabled: bool, total: int) -> tuple[Callable[[int, int, str], None], Any]:
+    if not enabled:
+        return (lambda done, n, name: None), None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        state = {"next": 0.0}
+
+        def plain(done: int, n: int, name: str) -> None:
+            if n > 0 and done / n >= state["next"]:
+                print(f"[{done}/{n}] {name}", file=sys.stderr)
+                state["next"] += 0.1
+
+        return plain, None
+    bar = tqdm(total=total if total > 0 else None, unit="tensor", file=sys.stderr)
+
+    def update(done: int, n: int, name: str) -> None:
+        bar.set_postfix_str(name[-48:], refresh=False)
+        bar.update(done - bar.n)
+
+    return update, bar
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    show = not args.no_progress
+    if args.dequantize:
+        dtype = _DTYPES[args.dtype] if args.dtype else None
+        update, bar = _progress(show, -1)
+        try:
+            out = dequantize_checkpoint(
+                args.src,
+                args.dst,
+                dtype=dtype,
+                max_shard_bytes=args.max_shard_size,
+                overwrite=args.overwrite,
+                progress=update,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        print(f"wrote {out}")
+        return 0
+    if args.format is None:
+        raise ValueError("choose a format with -f/--format (or pass --dequantize)")
+    input_amax = None
+    if args.input_amax is not None:
+        input_amax = json.loads(args.input_amax.read_text())
+        if not isinstance(input_amax, dict):
+            raise ValueError(f"{args.input_amax}: expected a JSON object {{module: amax}}")
+    options: dict[str, Any] = {
+        "keep_bf16": args.keep,
+        "keep_first_layers": args.keep_first_layers,
+        "keep_last_layers": args.keep_last_layers,
+        "only": args.only,
+    }
+    plan = plan_export(args.src, args.format, **options)
+    print(
+        f"{args.format} ({plan.layout.description}): {len(plan.quantized)} tensors quantized, "
+        f"{len(plan.kept)} kept"
+    )
+    if args.dry_run:
+        for name in plan.quantized:
+            print(f"  quantize  {name}")
+        for name, why in plan.kept.items():
+            print(f"  keep      {name}  ({why})")
+        for group in plan.fused:
+            print(f"  fused     {' + '.join(group)}")
+        return 0
+    update, bar = _progress(show, len(plan.quantized) + len(plan.kept))
+    start = time.perf_counter()
+    try:
+        export_checkpoint(
+            args.src,
+            args.dst,
+            args.format,
+            **options,
+            scale_rule=args.scale_rule,
+            input_amax=input_amax,
+            max_shard_bytes=args.max_shard_size,
+            overwrite=args.overwrite,
+            progress=update,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    size = sum(f.stat().st_size for f in Path(args.dst).glob("*.safetensors"))
+    print(f"wrote {args.dst} ({size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 on a usage or input error)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
