@@ -99,6 +99,7 @@ struct Pager::Impl {
         seen = generation;
         j = job;
       }
+      if (!j) continue;  // woke after that transfer finished (the caller already reset it)
       for (;;) {
         const std::size_t i = j->next.fetch_add(1);
         if (i >= j->chunks) break;

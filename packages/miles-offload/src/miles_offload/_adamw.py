@@ -302,7 +302,10 @@ class AdamW(Optimizer):
             if h is not None and isinstance(h["lr"], torch.Tensor):
                 h["lr"] = float(h["lr"])
 
+        updated: list[int] = []
+
         def update(bucket: Bucket, buf: torch.Tensor) -> None:
+            updated.append(bucket.index)
             for s, flat, master, avg, sq in self._sections(bucket, buf):
                 g = grads[s.param]
                 if g is None:
@@ -330,9 +333,26 @@ class AdamW(Optimizer):
         except BaseException:
             for i in stepped:  # nothing was committed: the steps roll back with the state
                 self._steps[i] -= 1
+            if isinstance(self._store, NvmeStore):
+                self._restore_params(updated)
             raise
         self._sync_state()
         return loss
+
+    def _restore_params(self, order: list[int]) -> None:
+        """After a failed step: give the parameters of the buckets that were updated (they
+        had already copied their new values out) the committed masters again."""
+        try:
+            self._store.visit(order, self._copy_out, write=False)
+        except Exception as exc:  # the step's own error is the one to raise
+            import warnings
+
+            warnings.warn(
+                f"miles_offload: after a failed step the parameters could not be restored from "
+                f"the committed state ({exc}); reload them with load_state_dict() or resume=True",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _scratch_for(self, n: int) -> torch.Tensor:
         need = min(n, CHUNK) * (3 if self.moment_dtype != torch.float32 else 1)

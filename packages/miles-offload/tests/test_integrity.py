@@ -1,0 +1,134 @@
+"""Integrity of the bucket files: corrupted, truncated and stale files are detected on read with
+a clear error; a crash in the middle of step() (a real process exit, and an I/O error) leaves
+the previous step's state committed and recoverable, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from _offload_testlib import (
+    HYPER,
+    TINY_BUCKET_MB,
+    assert_same_params,
+    assert_same_state,
+    make_params,
+    reference,
+    run,
+)
+
+import miles_offload as mo
+
+HERE = Path(__file__).parent
+
+
+def _nvme(params: list[torch.Tensor], path: Path, **kw) -> mo.AdamW:
+    return mo.AdamW(params, **HYPER, offload="nvme", path=path, bucket_mb=TINY_BUCKET_MB, **kw)
+
+
+def _committed_file(path: Path, bucket: int) -> Path:
+    manifest = json.loads((path / "manifest.json").read_text())
+    return path / f"bucket_{bucket:06d}.{manifest['buckets'][bucket]['slot']}.bin"
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("payload", "payload checksum mismatch"),
+        ("header", "header checksum mismatch"),
+        ("magic", "bad magic"),
+        ("truncate", "truncated"),
+        ("stale", "stale or overwritten"),
+    ],
+)
+def test_damaged_files_are_detected(tmp_path: Path, damage: str, message: str) -> None:
+    params = make_params()
+    opt = _nvme(params, tmp_path)
+    run(params, opt, range(2))
+    victim = _committed_file(tmp_path, 3)
+    if damage == "payload":
+        _flip(victim, os.path.getsize(victim) - 5000)
+    elif damage == "header":
+        _flip(victim, 40)
+    elif damage == "magic":
+        _flip(victim, 0)
+    elif damage == "truncate":
+        os.truncate(victim, os.path.getsize(victim) - 4096)
+    else:  # the other slot holds the previous generation: swap it in
+        other = victim.with_name(victim.name.replace(".0.bin", ".x").replace(".1.bin", ".0.bin"))
+        other = other.with_name(other.name.replace(".x", ".1.bin"))
+        victim.write_bytes(other.read_bytes())
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(mo.CorruptStateError, match=message) as info:
+        run(params, opt, range(2, 3))
+    assert str(victim) in str(info.value)
+    # The failed step changed nothing (parameters restored from the intact buckets' masters).
+    assert_same_params(params, before)
+
+
+def test_failed_write_keeps_the_previous_step(tmp_path: Path) -> None:
+    want_p, want_sd = reference(5)
+    params = make_params()
+    opt = _nvme(params, tmp_path)
+    run(params, opt, range(3))
+    before = [p.detach().clone() for p in params]
+
+    def fail(bucket: int) -> None:
+        if bucket == 4:
+            raise OSError(28, "No space left on device (injected)")
+
+    opt._store._after_write = fail  # type: ignore[union-attr]
+    with pytest.raises(OSError, match="injected"):
+        run(params, opt, range(3, 4))
+    assert_same_params(params, before)  # rolled back, including already-updated buckets
+    opt._store._after_write = None  # type: ignore[union-attr]
+    run(params, opt, range(3, 5))  # the failed step is retried as if it never happened
+    assert_same_params(params, want_p)
+    assert_same_state(opt.state_dict(), want_sd)
+
+
+def test_process_killed_mid_step_resumes_from_the_previous_step(tmp_path: Path) -> None:
+    # A child process takes 3 steps, then dies (os._exit, no cleanup) after writing two buckets
+    # of step 4. The parent resumes from the directory: exactly the state after step 3.
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        sys.path.insert(0, {str(HERE)!r})
+        from _offload_testlib import HYPER, TINY_BUCKET_MB, make_params, run
+        import miles_offload as mo
+        params = make_params()
+        opt = mo.AdamW(params, **HYPER, offload="nvme", path={str(tmp_path)!r},
+                       bucket_mb=TINY_BUCKET_MB)
+        run(params, opt, range(3))
+        def die(bucket):
+            if bucket == 1:
+                os._exit(17)
+        opt._store._after_write = die
+        run(params, opt, range(3, 4))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 17, proc.stderr
+    want_p, want_sd = reference(3)
+    params = [torch.zeros_like(p).requires_grad_() for p in make_params()]
+    opt = _nvme(params, tmp_path, resume=True)
+    assert_same_params(params, want_p)
+    assert_same_state(opt.state_dict(), want_sd)
+    want_p, want_sd = reference(5)
+    run(params, opt, range(3, 5))
+    assert_same_params(params, want_p)
+    assert_same_state(opt.state_dict(), want_sd)

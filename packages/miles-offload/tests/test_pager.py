@@ -1,0 +1,180 @@
+"""The pager moves bytes exactly with every backend; io_uring unavailability is detected at run
+time (a seccomp filter makes io_uring_setup fail) and the thread pool takes over with a
+warning; the environment override forces the fallback; errors are clear."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import miles_offload as mo
+from miles_offload import _native
+
+NATIVE = pytest.mark.skipif(not _native.available(), reason="native extension not built")
+
+
+def _roundtrip(tmp_path: Path, backend: str, nbytes: int, qd: int, block: int) -> dict:
+    pager = mo.Pager(queue_depth=qd, block_size=block, backend=backend)
+    assert pager.backend == backend
+    src = mo.aligned_empty(nbytes)
+    src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator()))
+    fd, direct = mo.open_direct(tmp_path / f"{backend}.bin", create=True)
+    try:
+        pager.write(fd, 8192, src)
+        dst = mo.aligned_empty(nbytes)
+        pager.read(fd, 8192, dst)
+        assert torch.equal(src, dst)
+        assert mo.crc32c(src) == mo.crc32c(dst)
+        assert os.fstat(fd).st_size == 8192 + nbytes
+        return pager.stats()
+    finally:
+        os.close(fd)
+        pager.close()
+
+
+@NATIVE
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])
+def test_native_backends_roundtrip(tmp_path: Path, backend: str) -> None:
+    if backend == "io_uring" and mo.Pager(backend="auto").backend != "io_uring":
+        pytest.skip("io_uring unavailable here")
+    # 13 blocks of 64 KiB plus a partial one, 4 in flight.
+    stats = _roundtrip(tmp_path, backend, 13 * 65536 + 4096, qd=4, block=65536)
+    assert stats["bytes_read"] == stats["bytes_written"] == 13 * 65536 + 4096
+    assert stats["requests"] >= 28
+    if backend == "io_uring":
+        assert 0 < stats["submit_calls"] < stats["requests"]  # batched submissions
+
+
+def test_python_backend_roundtrip(tmp_path: Path) -> None:
+    stats = _roundtrip(tmp_path, "python", 5 * 65536, qd=3, block=65536)
+    assert stats["bytes_read"] == 5 * 65536
+
+
+def test_crc32c_known_value_and_python_agrees() -> None:
+    data = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
+    assert mo.crc32c(data) == 0xE3069283  # the CRC-32C check value
+    blob = torch.randint(0, 256, (100_003,), dtype=torch.uint8)
+    from miles_offload._pager import _crc32c_python, _view
+
+    assert mo.crc32c(blob) == _crc32c_python(_view(blob), 0)
+    assert mo.crc32c(blob[50_000:], mo.crc32c(blob[:50_000])) == mo.crc32c(blob)
+
+
+def test_short_file_and_misaligned_buffers_raise(tmp_path: Path) -> None:
+    pager = mo.Pager(queue_depth=2, block_size=4096)
+    fd, _ = mo.open_direct(tmp_path / "short.bin", create=True)
+    try:
+        pager.write(fd, 0, mo.aligned_empty(4096))
+        with pytest.raises(OSError, match="end of file|No data"):
+            pager.read(fd, 0, mo.aligned_empty(3 * 4096))
+        with pytest.raises(ValueError, match="aligned to 4096"):
+            pager.read(fd, 0, mo.aligned_empty(8192)[1:4097])
+    finally:
+        os.close(fd)
+    with pytest.raises(ValueError, match="block_size"):
+        mo.Pager(block_size=1000)
+    with pytest.raises(ValueError, match="queue_depth"):
+        mo.Pager(queue_depth=0)
+
+
+@NATIVE
+def test_env_override_forces_the_thread_pool(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import warnings, miles_offload as mo
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            p = mo.Pager()
+        print(p.backend, "|", p.fallback_reason, "|", len(w))
+        """
+    )
+    env = dict(os.environ, MILES_OFFLOAD_PAGER="threads")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.split("|")[0].strip() == "threads"
+
+
+# A seccomp filter that fails io_uring_setup (x86-64 syscall 425) with ENOSYS, as container
+# runtimes do: the pager must detect it when io_uring_queue_init fails, warn, and fall back.
+_SECCOMP = """
+import ctypes, struct
+libc = ctypes.CDLL(None, use_errno=True)
+ins = [
+    (0x20, 0, 0, 0),                      # ld [nr]
+    (0x15, 0, 1, 425),                    # jeq io_uring_setup
+    (0x06, 0, 0, 0x00050000 | 38),        # ret ERRNO(ENOSYS)
+    (0x06, 0, 0, 0x7FFF0000),             # ret ALLOW
+]
+raw = b"".join(struct.pack("HBBI", *i) for i in ins)
+buf = ctypes.create_string_buffer(raw, len(raw))
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+prog = Prog(len(ins), ctypes.addressof(buf))
+assert libc.prctl(38, 1, 0, 0, 0) == 0                       # PR_SET_NO_NEW_PRIVS
+assert libc.prctl(22, 2, ctypes.byref(prog), 0, 0) == 0, ctypes.get_errno()  # SECCOMP filter
+"""
+
+
+@NATIVE
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the filter uses x86-64 numbers")
+def test_io_uring_failure_is_detected_and_falls_back(tmp_path: Path) -> None:
+    code = _SECCOMP + textwrap.dedent(
+        f"""
+        import warnings, torch, miles_offload as mo
+        from pathlib import Path
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            params = [torch.randn(5000, requires_grad=True)]
+            opt = mo.AdamW(params, offload="nvme", path={str(tmp_path)!r}, bucket_mb=0.01)
+            params[0].grad = torch.ones(5000)
+            opt.step()
+        print("BACKEND", opt.io_stats()["backend"])
+        print("WARN", [str(x.message) for x in w])
+        try:
+            mo.Pager(backend="io_uring")
+        except RuntimeError as e:
+            print("STRICT", e)
+        """
+    )
+    env = dict(os.environ)
+    env.pop("MILES_OFFLOAD_PAGER", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "BACKEND threads" in out
+    assert "io_uring unavailable (io_uring_queue_init failed: Function not implemented)" in out
+    assert "STRICT miles_offload: io_uring is unavailable" in out
+
+
+def test_without_the_extension_everything_still_works(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        f"""
+        import warnings, torch, miles_offload as mo
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            params = [torch.randn(3000, requires_grad=True)]
+            ref = [params[0].detach().clone().requires_grad_()]
+            opt = mo.AdamW(params, offload="nvme", path={str(tmp_path)!r}, bucket_mb=0.01)
+            t = torch.optim.AdamW(ref, foreach=False)
+            for k in range(3):
+                params[0].grad = torch.full((3000,), k + 1.0)
+                ref[0].grad = torch.full((3000,), k + 1.0)
+                opt.step(); t.step()
+        assert torch.equal(params[0], ref[0])
+        print(mo.native_available(), opt.io_stats()["backend"], len(w) >= 1)
+        """
+    )
+    env = dict(os.environ, MILES_OFFLOAD_DISABLE_NATIVE="1")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "python", "True"]
