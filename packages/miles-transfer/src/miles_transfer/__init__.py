@@ -11,6 +11,20 @@ from miles_transfer._delta import (
     materialize_delta,
 )
 from miles_transfer._delta_apply import VerifyReport, apply_delta, recover_target, verify_delta
+from miles_transfer._delta_engine import (
+    DiskReloadEngine,
+    EngineUpdateReport,
+    PausableEngine,
+    update_engine_from_delta,
+    update_engine_via_disk,
+)
+from miles_transfer._delta_publish import (
+    DeltaPublisher,
+    DeltaSubscriber,
+    PublishReport,
+    PullReport,
+    version_dir_name,
+)
 from miles_transfer._digest import tensor_digest
 from miles_transfer._http import HTTPReceiver, ReceiverError
 from miles_transfer._module_receiver import ModuleReceiver
@@ -35,10 +49,17 @@ from miles_transfer.version import __version__
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DeltaBaseError",
+    "DeltaPublisher",
     "DeltaReport",
+    "DeltaSubscriber",
+    "DiskReloadEngine",
+    "EngineUpdateReport",
     "HTTPReceiver",
     "MaterializeReport",
     "ModuleReceiver",
+    "PausableEngine",
+    "PublishReport",
+    "PullReport",
     "ReceiverError",
     "SyncReport",
     "VerifyReport",
@@ -60,5 +81,8 @@ __all__ = [
     "save_safetensors",
     "serialize_named_tensors",
     "tensor_digest",
+    "update_engine_from_delta",
+    "update_engine_via_disk",
     "verify_delta",
+    "version_dir_name",
 ]

@@ -23,6 +23,7 @@ from typing import IO, Any
 
 import torch
 
+from miles_transfer._bytes import byte_view
 from miles_transfer._delta_codec import (
     ENCODINGS,
     decompress,
@@ -208,6 +209,18 @@ class MemoryCheckpoint(CheckpointIndex):
         }
         self.files = {file_name: list(self.tensors.values())}
         self._open = {}
+
+    def write(self, directory: Path) -> None:
+        """Write the checkpoint (``model.safetensors`` and the other files) into a directory."""
+        for fname, entries in self.files.items():
+            with (directory / fname).open("wb") as f:
+                f.write(self.headers[fname])
+                for e in entries:
+                    f.write(byte_view(self._data[e.name].reshape(-1)))
+                f.flush()
+                os.fsync(f.fileno())
+        for name, data in self._other.items():
+            (directory / name).write_bytes(data)
 
     def read(self, name: str, *, writable: bool = False) -> torch.Tensor:
         """The stored tensor itself, or a copy when the caller will modify it."""
