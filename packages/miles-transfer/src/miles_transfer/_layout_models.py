@@ -1,0 +1,180 @@
+"""The Qwen3 / Qwen3-MoE parameter set in HF names, and generic layouts (replicated, FSDP).
+
+`ModelShape` holds the handful of config numbers the layouts need; `ModelShape.from_hf_config`
+reads them from a transformers `Qwen3Config` / `Qwen3MoeConfig` (duck-typed: transformers is not
+a dependency). `fsdp_layout` shards every parameter along dim 0 the way FSDP2's `fully_shard`
+does (`torch.chunk`: rank r holds rows [r*c, min((r+1)*c, n)) with c = ceil(n / world_size);
+ranks past the end hold an empty shard). `shard_dim0` applies the same rule to the local tensors
+of any layout (FSDP over TP = 2-D parallelism).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from miles_transfer._layout import Layout, LocalTensor, ParamSpec, Piece, make_layout
+
+__all__ = ["ModelShape", "fsdp_layout", "qwen3_params", "replicated_layout", "shard_dim0"]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ModelShape:
+    """The numbers that fix a Qwen3(-MoE) model's parameter shapes.
+
+    Attributes:
+        hidden: hidden size H.
+        intermediate: dense MLP intermediate size (unused when num_experts > 0).
+        num_layers: decoder layers.
+        num_heads: query heads; num_kv_heads: key/value heads (GQA groups).
+        head_dim: per-head size D.
+        vocab: vocabulary size V.
+        num_experts: routed experts per layer (0: dense model).
+        moe_intermediate: intermediate size of one expert.
+        tie_word_embeddings: lm_head shares embed_tokens (no lm_head.weight).
+        dtype: parameter dtype on both sides of the transfer.
+    """
+
+    hidden: int
+    intermediate: int = 0
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    num_experts: int = 0
+    moe_intermediate: int = 0
+    tie_word_embeddings: bool = False
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        for f in ("hidden", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"ModelShape.{f} must be positive, got {getattr(self, f)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.num_experts > 0 and self.moe_intermediate <= 0:
+            raise ValueError("an MoE ModelShape (num_experts > 0) needs moe_intermediate > 0")
+        if self.num_experts == 0 and self.intermediate <= 0:
+            raise ValueError("a dense ModelShape needs intermediate > 0")
+
+    @classmethod
+    def from_hf_config(cls, config: Any, *, dtype: torch.dtype = torch.bfloat16) -> ModelShape:
+        """Read a transformers Qwen3Config or Qwen3MoeConfig (any object with those fields)."""
+        heads = int(config.num_attention_heads)
+        return cls(
+            hidden=int(config.hidden_size),
+            intermediate=int(getattr(config, "intermediate_size", 0) or 0),
+            num_layers=int(config.num_hidden_layers),
+            num_heads=heads,
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+            vocab=int(config.vocab_size),
+            num_experts=int(getattr(config, "num_experts", 0) or 0),
+            moe_intermediate=int(getattr(config, "moe_intermediate_size", 0) or 0),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            dtype=dtype,
+        )
+
+
+def qwen3_params(m: ModelShape) -> dict[str, ParamSpec]:
+    """Every parameter of a Qwen3 (or Qwen3-MoE, all layers sparse) model, in HF names."""
+    H, D, dt = m.hidden, m.head_dim, m.dtype
+    out: dict[str, ParamSpec] = {"model.embed_tokens.weight": ParamSpec((m.vocab, H), dt)}
+    for i in range(m.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = ParamSpec((H,), dt)
+        out[p + "self_attn.q_proj.weight"] = ParamSpec((m.num_heads * D, H), dt)
+        out[p + "self_attn.k_proj.weight"] = ParamSpec((m.num_kv_heads * D, H), dt)
+        out[p + "self_attn.v_proj.weight"] = ParamSpec((m.num_kv_heads * D, H), dt)
+        out[p + "self_attn.o_proj.weight"] = ParamSpec((H, m.num_heads * D), dt)
+        out[p + "self_attn.q_norm.weight"] = ParamSpec((D,), dt)
+        out[p + "self_attn.k_norm.weight"] = ParamSpec((D,), dt)
+        out[p + "post_attention_layernorm.weight"] = ParamSpec((H,), dt)
+        if m.num_experts:
+            out[p + "mlp.gate.weight"] = ParamSpec((m.num_experts, H), dt)
+            inter = m.moe_intermediate
+            for e in range(m.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                out[q + "gate_proj.weight"] = ParamSpec((inter, H), dt)
+                out[q + "up_proj.weight"] = ParamSpec((inter, H), dt)
+                out[q + "down_proj.weight"] = ParamSpec((H, inter), dt)
+        else:
+            out[p + "mlp.gate_proj.weight"] = ParamSpec((m.intermediate, H), dt)
+            out[p + "mlp.up_proj.weight"] = ParamSpec((m.intermediate, H), dt)
+            out[p + "mlp.down_proj.weight"] = ParamSpec((H, m.intermediate), dt)
+    out["model.norm.weight"] = ParamSpec((H,), dt)
+    if not m.tie_word_embeddings:
+        out["lm_head.weight"] = ParamSpec((m.vocab, H), dt)
+    return out
+
+
+def whole(name: str, spec: ParamSpec) -> LocalTensor:
+    """A local tensor holding the whole parameter."""
+    zeros = (0,) * len(spec.shape)
+    return LocalTensor(spec.shape, spec.dtype, (Piece(name, zeros, spec.shape, zeros),))
+
+
+def replicated_layout(params: Mapping[str, ParamSpec], world_size: int = 1) -> Layout:
+    """Every rank holds every parameter whole under its HF name (TP 1 engines, DDP trainers)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    rank = {name: whole(name, spec) for name, spec in params.items()}
+    return make_layout(f"replicated(ws={world_size})", params, [rank] * world_size)
+
+
+def _chunk(n: int, ws: int, r: int) -> tuple[int, int]:
+    """torch.chunk's split of n rows over ws ranks: rank r's [start, stop)."""
+    c = -(-n // ws) if n else 0
+    start = min(n, r * c)
+    return start, min(n, start + c)
+
+
+def shard_dim0(layout: Layout, world_size: int, *, kind: str | None = None) -> Layout:
+    """Shard every local tensor of every rank along dim 0 over world_size ranks (FSDP2 rule).
+
+    New rank `r * world_size + i` holds rows `_chunk(rows, world_size, i)` of old rank r's local
+    tensors (the FSDP mesh dimension is the fastest). 0-d tensors stay whole on every shard.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ranks: list[dict[str, LocalTensor]] = []
+    for old in layout.ranks:
+        for i in range(world_size):
+            new: dict[str, LocalTensor] = {}
+            for name, lt in old.tensors:
+                if not lt.shape:
+                    new[name] = lt
+                    continue
+                a, b = _chunk(lt.shape[0], world_size, i)
+                new[name] = LocalTensor((b - a, *lt.shape[1:]), lt.dtype, _cut_rows(lt, a, b))
+            ranks.append(new)
+    return make_layout(kind or f"{layout.kind}+fsdp(ws={world_size})", layout.param_specs(), ranks)
+
+
+def _cut_rows(lt: LocalTensor, a: int, b: int) -> tuple[Piece, ...]:
+    """The pieces of lt restricted to local rows [a, b), re-based to row 0."""
+    out = []
+    for p in lt.pieces:
+        lead = len(lt.shape) - len(p.size)
+        lo, hi = p.local_start[0], p.local_start[0] + p.local_size()[0]
+        lo2, hi2 = max(lo, a), min(hi, b)
+        if lo2 >= hi2:
+            continue
+        if lead:  # row dim is an extra (stack) dimension: the HF box is unchanged
+            out.append(Piece(p.name, p.full_start, p.size, (lo2 - a, *p.local_start[1:])))
+            continue
+        fs = (p.full_start[0] + lo2 - lo, *p.full_start[1:])
+        out.append(Piece(p.name, fs, (hi2 - lo2, *p.size[1:]), (lo2 - a, *p.local_start[1:])))
+    return tuple(out)
+
+
+def fsdp_layout(params: Mapping[str, ParamSpec], world_size: int) -> Layout:
+    """FSDP2 (`fully_shard`, Shard(0)) over world_size ranks; local names are HF names."""
+    return shard_dim0(replicated_layout(params, 1), world_size, kind=f"fsdp(ws={world_size})")
