@@ -11,10 +11,13 @@ STAMP := $(VENV)/.miles-setup
 # the C++ sources change. A C++17 compiler is needed; CMake and Ninja come from PyPI if missing.
 QUANT_NATIVE := $(VENV)/.miles-quant-native
 QUANT_SOURCES := packages/miles-quant/CMakeLists.txt $(shell find native/quant -type f ! -name BUILD 2>/dev/null)
+# miles-transfer's optional re-sharding extension (native/transfer), likewise.
+TRANSFER_NATIVE := $(VENV)/.miles-transfer-native
+TRANSFER_SOURCES := packages/miles-transfer/CMakeLists.txt $(shell find native/transfer -type f ! -name BUILD 2>/dev/null)
 
 .PHONY: setup demo test lint typecheck pytest pants-test pants-packages clean
 
-setup: $(STAMP) $(QUANT_NATIVE)
+setup: $(STAMP) $(QUANT_NATIVE) $(TRANSFER_NATIVE)
 
 $(STAMP): constraints.txt requirements-dev.txt $(foreach p,$(PACKAGES) packages/miles,$(p)/pyproject.toml)
 	@command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || { \
@@ -31,6 +34,12 @@ $(QUANT_NATIVE): $(QUANT_SOURCES) | $(STAMP)
 	  echo "$(PIP) -q --no-deps -e packages/miles-quant"; \
 	  $(PIP) -q --no-deps -e packages/miles-quant; fi
 	touch $(QUANT_NATIVE)
+
+$(TRANSFER_NATIVE): $(TRANSFER_SOURCES) | $(STAMP)
+	@if [ -n "$$(find $(TRANSFER_SOURCES) -newer $(STAMP) 2>/dev/null)" ]; then \
+	  echo "$(PIP) -q --no-deps -e packages/miles-transfer"; \
+	  $(PIP) -q --no-deps -e packages/miles-transfer; fi
+	touch $(TRANSFER_NATIVE)
 
 demo: setup
 	$(BIN)/python tools/make_tiny_model.py
