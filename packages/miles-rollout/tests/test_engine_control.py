@@ -212,3 +212,22 @@ def test_miles_transfer_push_verifies_against_the_engine(
     assert fresh_engine.weights_checksum() == {
         n: tensor_digest(p) for n, p in trained.named_parameters(remove_duplicate=False)
     }
+
+
+def test_failed_prefill_fails_the_requests_instead_of_hanging(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with EngineConfig(model_path=str(model_dir)).build() as eng:
+
+        def broken_prefill(*args: object, **kwargs: object) -> torch.Tensor:
+            raise RuntimeError("injected prefill failure")
+
+        monkeypatch.setattr(eng._runner, "prefill", broken_prefill)
+        futs = [eng.submit(p, SamplingParams(max_new_tokens=3)) for p in PROMPTS]
+        for fut in futs:
+            with pytest.raises(RuntimeError, match="injected prefill failure"):
+                fut.result(timeout=60)
+        monkeypatch.undo()
+        # The engine keeps serving once the fault is gone.
+        out = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        assert out.completion_tokens == 2

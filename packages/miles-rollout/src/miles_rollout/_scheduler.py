@@ -79,6 +79,7 @@ class Scheduler:
         self._inbox: queue.SimpleQueue[Request | _Call | None] = queue.SimpleQueue()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._admitting: list[Request] = []  # popped from waiting, prefill in progress
         self.paused = False
         self.generated_tokens = 0  # cumulative, for metrics
         self.prefill_tokens = 0  # cumulative unique (unpadded) prompt tokens run through prefill
@@ -183,8 +184,8 @@ class Scheduler:
                         self._decode_step()
                 except Exception as exc:  # a bug or resource error: fail in-flight requests
                     logger.exception("engine step failed; failing in-flight requests")
-                    reqs = [*self.running, *self.waiting]
-                    self.running, self._sampler = [], None
+                    reqs = [*self.running, *self._admitting, *self.waiting]
+                    self.running, self._admitting, self._sampler = [], [], None
                     self.waiting.clear()
                     for req in reqs:
                         if not req.future.done():
@@ -248,6 +249,8 @@ class Scheduler:
             width = max(width, len(key))
             seen[key] = len(firsts)
             firsts.append(self.waiting.popleft())
+        # Off the queue but not yet running: a failed prefill must still fail these futures.
+        self._admitting = firsts + [r for r, _ in dups]
         # Shortest first, cut into chunks whose right-padding stays small: prefill is
         # compute-bound, so padded positions cost as much as real ones.
         order = sorted(
@@ -280,6 +283,7 @@ class Scheduler:
             logits = torch.cat([logits, logits[torch.tensor(src)]])
         batch = firsts + [r for r, _ in dups]
         self.running.extend(batch)
+        self._admitting = []
         self._sampler = None
         self._sample_and_finish(logits, rows=range(first_row, first_row + len(batch)))
 
