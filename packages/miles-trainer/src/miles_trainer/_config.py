@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["DTYPES", "KL_TYPES", "LOSS_AGG_MODES", "OFFLOAD_MODES", "LossConfig", "TrainerConfig"]
+__all__ = ["DTYPES", "KL_TYPES", "LOSS_AGG_MODES", "LossConfig", "QATConfig", "TrainerConfig"]
 
 KL_TYPES = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 DTYPES = ("float32", "bfloat16", "float16")
-OFFLOAD_MODES = ("none", "cpu", "nvme")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,6 +70,39 @@ class LossConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class QATConfig:
+    """INT4 quantization-aware training through miles-quant (``pip install miles-quant``).
+
+    Every forward of the policy (training, old-logprob and `compute_logprobs` passes) computes
+    with the selected weights fake-quantized to INT4, exactly as W4A16 rollout dequantizes
+    them: groups along the input dim, the scale rounded to the compute dtype first. The
+    gradient passes straight through to the full-precision master weights. Export the trained
+    weights with ``miles_quant.checkpoint.export_checkpoint(dir, out, f"int4_g{group}",
+    only=patterns)`` from a checkpoint saved in the compute dtype to get the same codes.
+
+    Attributes:
+        patterns: which parameters to fake-quantize: globs on parameter or module names, or
+            "re:" + a regex. The default takes MoE expert weights (per-expert Linear weights
+            and fused expert parameters).
+        group: INT4 group size along the input dim: 32 or 128.
+    """
+
+    patterns: tuple[str, ...] = ("*.experts.*",)
+    group: int = 128
+
+    def __post_init__(self) -> None:
+        if isinstance(self.patterns, str) or not self.patterns:
+            raise ValueError(
+                f"QATConfig.patterns must be a non-empty tuple of patterns, got {self.patterns!r}"
+            )
+        if not all(isinstance(p, str) and p for p in self.patterns):
+            raise ValueError(f"QATConfig.patterns must be non-empty strings, got {self.patterns}")
+        self.patterns = tuple(self.patterns)
+        if self.group not in (32, 128):
+            raise ValueError(f"QATConfig.group must be 32 or 128, got {self.group}")
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     """Everything `FSDPTrainer` needs.
 
@@ -94,14 +126,8 @@ class TrainerConfig:
         seed: torch RNG seed set at construction.
         ref_model_path: reference model directory for the KL term; None means ``model_path``.
             Only loaded when ``loss.kl_coef > 0``.
-        offload: where the AdamW state (fp32 master weights and moments) lives: "none" (torch
-            AdamW, state beside the parameters), "cpu" (CPU memory) or "nvme" (per-bucket files
-            under ``offload_path``, streamed three buckets at a time). "cpu" and "nvme" need
-            the miles-offload package (``pip install miles-trainer[offload]``) and give the
-            same parameters as "none", bit for bit.
-        offload_path: directory for "nvme" state on node-local disk; rank r uses
-            ``<offload_path>/rank<r>``. Required with "nvme".
-        offload_bucket_mb: optimizer state per bucket in MiB (master + moments). > 0.
+        qat: INT4 quantization-aware training of the policy (not the reference model); None
+            trains in plain precision. Needs miles-quant (``pip install 'miles-trainer[quant]'``).
     """
 
     model_path: str
@@ -117,9 +143,7 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     seed: int = 0
     ref_model_path: str | None = None
-    offload: str = "none"
-    offload_path: str | None = None
-    offload_bucket_mb: float = 256.0
+    qat: QATConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -148,16 +172,4 @@ class TrainerConfig:
             raise ValueError(
                 f"TrainerConfig.temperature must be finite and > 0 (score a greedy rollout at "
                 f"1.0), got {self.temperature}"
-            )
-        if self.offload not in OFFLOAD_MODES:
-            raise ValueError(
-                f"TrainerConfig.offload must be one of {OFFLOAD_MODES}, got {self.offload!r}"
-            )
-        if self.offload == "nvme" and not self.offload_path:
-            raise ValueError(
-                'TrainerConfig.offload = "nvme" needs offload_path (a directory on node-local disk)'
-            )
-        if not self.offload_bucket_mb > 0:
-            raise ValueError(
-                f"TrainerConfig.offload_bucket_mb must be > 0, got {self.offload_bucket_mb}"
             )

@@ -23,13 +23,13 @@ from miles_trainer._checkpoint import broadcast_ok, gather_full_state_dict, writ
 from miles_trainer._config import TrainerConfig
 from miles_trainer._logprobs import response_logprobs
 from miles_trainer._losses import policy_loss
-from miles_trainer._optim import build_offload_optimizer
 from miles_trainer._parallelize import (
     MixedPrecisionCopy,
     apply_fsdp,
     cast_frozen_params,
     load_model,
 )
+from miles_trainer._qat import apply_qat
 
 __all__ = ["FSDPTrainer"]
 
@@ -103,6 +103,9 @@ class FSDPTrainer:
         self._model: torch.nn.Module = load_model(
             config.model_path, "model_path", attn_implementation=attn, trainable=True
         )
+        # QAT hooks sit on the policy's expert modules; they see whatever the forward computes
+        # with (the bf16 copies on one rank, FSDP2's unsharded parameters on several).
+        self._qat = apply_qat(self._model, config.qat) if config.qat is not None else None
         self._ref: torch.nn.Module | None = None
         if config.loss.kl_coef > 0:
             ref_path = config.ref_model_path or config.model_path
@@ -126,7 +129,7 @@ class FSDPTrainer:
         self._vocab_size = int(embeddings.num_embeddings)
         # foreach: one op per tensor list instead of per tensor; on plain tensors and on
         # DTensors (CPU gloo included) it gives the same bits as the per-tensor loop.
-        self._optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+        self._optimizer = torch.optim.AdamW(
             self._model.parameters(),
             lr=config.lr,
             betas=config.betas,
@@ -135,8 +138,6 @@ class FSDPTrainer:
             foreach=True,
             fused=False,
         )
-        if config.offload != "none":  # the same update with the state in CPU memory or on NVMe
-            self._optimizer = build_offload_optimizer(self._model.parameters(), config, self._rank)
 
     # ------------------------------------------------------------------ properties
 

@@ -1,0 +1,103 @@
+"""INT4 QAT in the trainer (TrainerConfig.qat, through miles-quant): a train step runs on the
+fake-quantized MoE experts, and the compressed-tensors export has the codes it trained with."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _trainer_testlib import make_batch
+
+from miles_trainer import FSDPTrainer, QATConfig, TrainerConfig
+
+mq = pytest.importorskip("miles_quant", reason="QAT needs miles-quant (miles-trainer[quant])")
+
+VOCAB = 61
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Qwen3-MoE (4 experts, dims multiples of 128), saved in float32."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        initializer_range=0.2,
+    )
+    path = tmp_path_factory.mktemp("tiny-moe") / "model"
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_qat_config_validation() -> None:
+    assert QATConfig().patterns == ("*.experts.*",)
+    with pytest.raises(ValueError, match="group must be 32 or 128"):
+        QATConfig(group=64)
+    with pytest.raises(ValueError, match="non-empty tuple of patterns"):
+        QATConfig(patterns="*.experts.*")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-empty tuple of patterns"):
+        QATConfig(patterns=())
+
+
+def test_missing_miles_quant_names_the_install(
+    moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "miles_quant.qat", None)  # import raises ImportError
+    with pytest.raises(ImportError, match="pip install miles-quant"):
+        FSDPTrainer(TrainerConfig(model_path=str(moe_dir), qat=QATConfig()))
+
+
+def test_no_match_is_a_clear_error(moe_dir: Path) -> None:
+    with pytest.raises(ValueError, match="no parameter matches"):
+        FSDPTrainer(TrainerConfig(model_path=str(moe_dir), qat=QATConfig(patterns=("*.nope",))))
+
+
+def test_qat_train_step_and_export_codes(moe_dir: Path, tmp_path: Path) -> None:
+    from miles_quant.checkpoint import export_checkpoint, load_quantized
+    from miles_quant.qat import fake_quantize_int4
+
+    cfg = TrainerConfig(
+        model_path=str(moe_dir), dtype="bfloat16", lr=1e-3, micro_batch_size=4, qat=QATConfig()
+    )
+    trainer = FSDPTrainer(cfg)
+    experts = {n: p for n, p in trainer.model.named_parameters() if ".experts." in n}
+    assert len(experts) == 4  # fused gate_up_proj and down_proj in 2 layers
+    before = {n: p.detach().clone() for n, p in experts.items()}
+    batch = make_batch(8, seed=1)
+    # The forward computes with fake-quantized experts: logprobs differ from the plain model's.
+    qat_logp = trainer.compute_logprobs(batch.tokens, batch.response_lengths)
+    metrics = trainer.train_step(batch)
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    assert metrics["grad_norm"] > 0
+    assert all(not torch.equal(before[n], p) for n, p in experts.items())  # experts trained
+
+    plain = FSDPTrainer(TrainerConfig(model_path=str(moe_dir), dtype="bfloat16"))
+    plain_logp = plain.compute_logprobs(batch.tokens, batch.response_lengths)
+    assert qat_logp != plain_logp
+
+    ckpt = tmp_path / "step1"
+    trainer.save_hf_checkpoint(ckpt, dtype="bfloat16")  # the compute dtype: same bf16 weights
+    out = tmp_path / "w4a16"
+    export_checkpoint(ckpt, out, "int4_g128", only=list(cfg.qat.patterns))  # type: ignore[union-attr]
+    state = load_quantized(out, dequantize=False)
+    for name, p in experts.items():
+        w = p.detach().to(torch.bfloat16)  # the bf16 copy the QAT forward quantized
+        q = state[name]
+        assert isinstance(q, mq.QuantizedTensor), name
+        assert torch.equal(q.data, mq.quantize(w, "int4_g128").data), name
+        assert q.scales.dtype == torch.bfloat16
+        deq = mq.dequantize(q, torch.bfloat16)
+        assert torch.equal(deq.view(torch.int16), fake_quantize_int4(w).view(torch.int16)), name
