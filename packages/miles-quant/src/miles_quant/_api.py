@@ -111,6 +111,72 @@ def _check_input(x: torch.Tensor, fmt: Format, granularity: str, stacked: bool) 
             )
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _layout(
+    fmt: Format, gran: str, shape: tuple[int, ...], stacked: bool, scale_dtype: torch.dtype
+) -> list[tuple[tuple[int, ...], torch.dtype] | None]:
+    """(shape, dtype) of data, scales and global_scale (None: absent) that quantize returns."""
+    lead, k = shape[:-1], shape[-1]
+    packed = (*lead, _cdiv(k, 2))
+    if fmt.family == "fp8":
+        assert fmt.element is not None
+        assert fmt.element.torch_dtype is not None
+        if gran == "tensor":
+            s: tuple[int, ...] = (shape[0],) if stacked else ()
+        elif gran == "channel":
+            s = (*lead, 1)
+        elif gran == "1x128":
+            s = (*lead, _cdiv(k, 128))
+        else:
+            s = (*shape[:-2], _cdiv(shape[-2], 128), _cdiv(k, 128))
+        return [(shape, fmt.element.torch_dtype), (s, torch.float32), None]
+    if fmt.family == "mx":
+        assert fmt.element is not None
+        el_dt = fmt.element.torch_dtype
+        data = (shape, el_dt) if el_dt is not None else (packed, torch.uint8)
+        return [data, ((*lead, _cdiv(k, 32)), torch.float8_e8m0fnu), None]
+    if fmt.family == "nvfp4":
+        g = ((shape[0],) if stacked else (), torch.float32)
+        return [(packed, torch.uint8), ((*lead, _cdiv(k, 16)), torch.float8_e4m3fn), g]
+    return [(packed, torch.uint8), ((*lead, _cdiv(k, fmt.group)), scale_dtype), None]
+
+
+def _check_out(
+    out: QuantizedTensor,
+    x: torch.Tensor,
+    want: tuple[str, tuple[int, ...], torch.dtype, str, str | None, bool],
+    layout: list[tuple[tuple[int, ...], torch.dtype] | None],
+) -> tuple[torch.Tensor, ...]:
+    """Checks that `out` can take this call's result; returns its buffers."""
+    if not isinstance(out, QuantizedTensor):
+        raise ValueError(f"quantize: out must be a QuantizedTensor, got {type(out).__name__}")
+    have = (out.format, out.shape, out.dtype, out.granularity, out.scale_rule, out.stacked)
+    if have != want:
+        raise ValueError(
+            "quantize: out= holds a different quantization (format, shape, dtype, granularity, "
+            f"scale_rule, stacked) = {have}, this call makes {want}; pass the result of a "
+            "quantize call with the same arguments and input shape and dtype"
+        )
+    bufs = (out.data, out.scales, out.global_scale)
+    checked: list[torch.Tensor] = []
+    for name, buf, lay in zip(("data", "scales", "global_scale"), bufs, layout, strict=True):
+        if lay is None:
+            continue
+        if buf is None or buf.shape != lay[0] or buf.dtype != lay[1]:
+            got = None if buf is None else (tuple(buf.shape), buf.dtype)
+            raise ValueError(f"quantize: out.{name} must be {lay}, got {got}")
+        if buf.device != x.device or not buf.is_contiguous():
+            raise ValueError(
+                f"quantize: out.{name} must be contiguous and on {x.device} (got "
+                f"{buf.device}, contiguous={buf.is_contiguous()})"
+            )
+        checked.append(buf)
+    return tuple(checked)
+
+
 def quantize(
     x: torch.Tensor,
     format: str,
@@ -121,6 +187,7 @@ def quantize(
     scale_dtype: torch.dtype | None = None,
     backend: Backend = "auto",
     threads: int | None = None,
+    out: QuantizedTensor | None = None,
 ) -> QuantizedTensor:
     """Quantizes `x` under the precision contract (docs/contract.md).
 
@@ -151,12 +218,17 @@ def quantize(
             missing). All give the same bits.
         threads: CPU threads for the native backend (default torch.get_num_threads()). CUDA
             work is enqueued on the current stream.
+        out: a QuantizedTensor from an earlier call with the same arguments and an input of
+            the same shape and dtype: its buffers (data, scales, global_scale) are overwritten
+            in place instead of allocating new ones (the native kernels write into them
+            directly). Use it in loops: a fresh large buffer costs its first-touch page faults.
 
     Returns:
-        A QuantizedTensor.
+        A QuantizedTensor (with out=: one that shares out's buffers).
 
     Raises:
-        ValueError: unknown format, granularity or scale rule; unsupported dtype or shape.
+        ValueError: unknown format, granularity or scale rule; unsupported dtype or shape; an
+            `out` that does not match this call (nothing is written then).
         RuntimeError: backend="native" without the extension.
     """
     if format not in FORMATS:
@@ -179,10 +251,17 @@ def quantize(
     if backend not in _BACKENDS:
         raise ValueError(f"quantize: backend must be one of {_BACKENDS}, got {backend!r}")
     _check_input(x, fmt, gran, stacked)
+    sd = x.dtype if scale_dtype is None else scale_dtype
+    if fmt.family == "int4" and sd not in INPUT_DTYPES:
+        raise ValueError(f"quantize: scale_dtype must be float32, bfloat16 or float16, got {sd}")
+    shape = tuple(x.shape)
+    into: tuple[torch.Tensor, ...] | None = None
+    if out is not None:
+        want = (format, shape, x.dtype, gran, rule, stacked)
+        into = _check_out(out, x, want, _layout(fmt, gran, shape, stacked, sd))
 
     x = x.detach().contiguous()
     native = _use_native(x, backend)
-    shape = tuple(x.shape)
     k = shape[-1]
     lead = shape[:-1]
 
@@ -193,6 +272,19 @@ def quantize(
         scale_rule: str | None = None,
         global_scale: torch.Tensor | None = None,
     ) -> QuantizedTensor:
+        if out is not None:
+            # The native kernels wrote into out's buffers; the reference's results are copied.
+            for dst, src in ((out.data, data), (out.scales, scales)):
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
+            og = out.global_scale
+            if (
+                og is not None
+                and global_scale is not None
+                and og.data_ptr() != global_scale.data_ptr()
+            ):
+                og.copy_(global_scale)
+            data, scales, global_scale = out.data, out.scales, out.global_scale
         return QuantizedTensor(
             data, scales, format, shape, x.dtype, gran, scale_rule, global_scale, stacked
         )
@@ -211,7 +303,7 @@ def quantize(
         x3 = x.reshape(b, r, k)
         tile = fp8_tile(gran, r, k)
         if native:
-            codes, s = _native.fp8(x3, el, tile, per_matrix, threads)
+            codes, s = _native.fp8(x3, el, tile, per_matrix, threads, into)
         else:
             codes, s = _reference.fp8(x3, el, tile, per_matrix)
         if per_matrix:
@@ -229,7 +321,7 @@ def quantize(
         assert rule is not None
         x2 = x.reshape(math.prod(lead), k)
         if native:
-            d, s = _native.mx(x2, el, rule, threads)
+            d, s = _native.mx(x2, el, rule, threads, into)
         else:
             d, s = _reference.mx(x2, el, rule)
         data = d.reshape(*lead, d.shape[-1])
@@ -243,7 +335,7 @@ def quantize(
         x3 = x.reshape(b, r, k)
         tile16 = gran == "16x16"
         if native:
-            d, s, g = _native.nvfp4(x3, tile16, threads)
+            d, s, g = _native.nvfp4(x3, tile16, threads, into)
         else:
             d, s, g = _reference.nvfp4(x3, tile16)
         data = d.reshape(*lead, d.shape[-1])
@@ -252,12 +344,9 @@ def quantize(
         return make(data, scales, global_scale=gscale)
 
     assert fmt.family == "int4"
-    sd = x.dtype if scale_dtype is None else scale_dtype
-    if sd not in INPUT_DTYPES:
-        raise ValueError(f"quantize: scale_dtype must be float32, bfloat16 or float16, got {sd}")
     x2 = x.reshape(math.prod(lead), k)
     if native:
-        d, s = _native.int4(x2, fmt.group, sd, threads)
+        d, s = _native.int4(x2, fmt.group, sd, threads, into)
     else:
         d, s = _reference.int4(x2, fmt.group, sd)
     data = d.reshape(*lead, d.shape[-1])

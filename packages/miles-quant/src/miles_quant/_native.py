@@ -5,7 +5,8 @@ with -Ccmake.define.MILES_QUANT_CUDA=ON). Importing this module never fails and 
 CUDA: _ext_cuda is imported on the first CUDA tensor. Without _ext (not built, or disabled
 with MILES_QUANT_DISABLE_NATIVE=1) `available()` is False, `error()` says why, and the API
 uses the PyTorch reference. Each wrapper allocates its outputs on the input's device in the
-layout of the reference functions (miles_quant._reference) and hands the buffers over.
+layout of the reference functions (miles_quant._reference), or writes into the caller's
+buffers (`into`, from quantize's `out=`, checked by the API), and hands the buffers over.
 """
 
 from __future__ import annotations
@@ -93,6 +94,19 @@ def _threads(threads: int | None) -> int:
     return torch.get_num_threads() if threads is None else int(threads)
 
 
+def _buffers(
+    x: torch.Tensor,
+    given: tuple[torch.Tensor, ...] | None,
+    layout: list[tuple[tuple[int, ...], torch.dtype]],
+) -> list[torch.Tensor]:
+    """The output buffers of a kernel: new ones, or views of the caller's (`given`, one per
+    layout entry, any shape of the same number of elements; the API has checked them)."""
+    if given is None:
+        return [torch.empty(shape, dtype=dt, device=x.device) for shape, dt in layout]
+    assert len(given) == len(layout)
+    return [t.view(dt).view(shape) for t, (shape, dt) in zip(given, layout, strict=True)]
+
+
 def encode(x: torch.Tensor, el: Element, threads: int | None = None) -> torch.Tensor:
     """Raw element cast of a contiguous fp32 CPU tensor; uint8 codes of the same shape."""
     assert x.device.type == "cpu", "the raw element cast runs on CPU tensors"
@@ -108,13 +122,13 @@ def fp8(
     tile: tuple[int, int],
     per_matrix: bool,
     threads: int | None = None,
+    into: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, r, c = x.shape
     mod, last = _mod(x, threads)
     tr, tc = (max(r, 1), max(c, 1)) if per_matrix else tile
-    out = torch.empty((b, r, c), dtype=torch.uint8, device=x.device)
     n_scales = (b,) if per_matrix else (b, -(-r // tr), -(-c // tc))
-    scales = torch.empty(n_scales, dtype=torch.float32, device=x.device)
+    out, scales = _buffers(x, into, [((b, r, c), torch.uint8), (n_scales, torch.float32)])
     mod.quantize_fp8(
         _raw(x), DTYPE_CODES[x.dtype], b, r, c, tr, tc, per_matrix, el.code, out, scales, last
     )
@@ -122,13 +136,18 @@ def fp8(
 
 
 def mx(
-    x: torch.Tensor, el: Element, rule: str, threads: int | None = None
+    x: torch.Tensor,
+    el: Element,
+    rule: str,
+    threads: int | None = None,
+    into: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, c = x.shape
     mod, last = _mod(x, threads)
     per_row = (c + 1) // 2 if el.torch_dtype is None else c
-    out = torch.empty((rows, per_row), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((rows, -(-c // 32)), dtype=torch.uint8, device=x.device)
+    out, scales = _buffers(
+        x, into, [((rows, per_row), torch.uint8), ((rows, -(-c // 32)), torch.uint8)]
+    )
     mod.quantize_mx(
         _raw(x), DTYPE_CODES[x.dtype], rows, c, el.code, SCALE_RULE_CODES[rule], out, scales, last
     )
@@ -136,24 +155,38 @@ def mx(
 
 
 def nvfp4(
-    x: torch.Tensor, tile16x16: bool, threads: int | None = None
+    x: torch.Tensor,
+    tile16x16: bool,
+    threads: int | None = None,
+    into: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, r, c = x.shape
     mod, last = _mod(x, threads)
-    out = torch.empty((b, r, (c + 1) // 2), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((b, r, -(-c // 16)), dtype=torch.uint8, device=x.device)
-    gscale = torch.empty(b, dtype=torch.float32, device=x.device)
+    out, scales, gscale = _buffers(
+        x,
+        into,
+        [
+            ((b, r, (c + 1) // 2), torch.uint8),
+            ((b, r, -(-c // 16)), torch.uint8),
+            ((b,), torch.float32),
+        ],
+    )
     mod.quantize_nvfp4(_raw(x), DTYPE_CODES[x.dtype], b, r, c, tile16x16, out, scales, gscale, last)
     return out, scales, gscale
 
 
 def int4(
-    x: torch.Tensor, group: int, scale_dtype: torch.dtype, threads: int | None = None
+    x: torch.Tensor,
+    group: int,
+    scale_dtype: torch.dtype,
+    threads: int | None = None,
+    into: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, c = x.shape
     mod, last = _mod(x, threads)
-    out = torch.empty((rows, (c + 1) // 2), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((rows, -(-c // group)), dtype=scale_dtype, device=x.device)
+    out, scales = _buffers(
+        x, into, [((rows, (c + 1) // 2), torch.uint8), ((rows, -(-c // group)), scale_dtype)]
+    )
     mod.quantize_int4(
         _raw(x), DTYPE_CODES[x.dtype], rows, c, group, DTYPE_CODES[scale_dtype], out,
         _raw(scales), last,

@@ -1,0 +1,524 @@
+// AVX-512 leaf kernels: the same per-group arithmetic as cpu_kernels.h, 16 fp32 lanes at a time.
+//
+// Included only by cpu_isa_avx512.cpp (compiled with -mavx512f/bw/vl/dq), after cpu_kernels.h,
+// inside namespace miles_quant::cpu::avx512. Every vector step is the lane-wise twin of a scalar
+// step of the contract: element encoding is the integer round-to-nearest-even of
+// bits.h/elements.h on 32-bit lanes, divisions and multiplications are single IEEE fp32
+// operations (vdivps / vmulps, exact like their scalar forms; no FMA, no reciprocal estimate),
+// and per-group scales come from the same scalar helpers of contract.h. Tails run through
+// masked loads (zero lanes never change an amax and encode to the pad code) and masked stores,
+// so no byte outside a row is touched. The tests compare this path with the generic one and with
+// the PyTorch reference bit for bit.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace miles_quant {
+namespace cpu {
+namespace avx512 {
+namespace simd {
+
+using Mask = __mmask16;
+
+static inline Mask tail_mask(int64_t n) {
+  return n >= 16 ? static_cast<Mask>(0xFFFF) : static_cast<Mask>((1u << n) - 1u);
+}
+static inline __m512i u32(uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
+
+// Up to 16 inputs (lanes past n are +0) widened to fp32, exactly.
+template <DType D>
+static inline __m512 load(const typename In<D>::T* p, Mask m) {
+  if constexpr (D == DType::f32) {
+    return _mm512_maskz_loadu_ps(m, p);
+  } else if constexpr (D == DType::bf16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    // vcvtph2ps is exact for every finite and infinite fp16 (subnormals included, DAZ is clear
+    // on our threads). It quiets signalling NaNs, which only ever feed the amax (any NaN is a
+    // poisoned group) and are never encoded.
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+  }
+}
+
+static inline __m512i abs_bits(__m512 v) {
+  return _mm512_and_si512(_mm512_castps_si512(v), u32(kF32AbsMask));
+}
+
+// The vector twin of encode<F> (elements.h): RNE onto the element grid, saturate, keep the sign.
+// Normal targets round on the integer bits exactly as round_mag_rne (bits.h); subnormal targets
+// use one fp32 addition: for |x| < 2^emin, |x| + 2^(emin - M + 23) lies in a binade whose ulp is
+// the element's subnormal step 2^(emin - M), so the (round-to-nearest-even) sum is
+// 2^(emin - M + 23) + RNE(|x|) and its bits minus the constant's bits count the steps: the same
+// code as the integer path, ties to even included (the constant's mantissa is zero, so the sum's
+// last bit is the code's). Our threads run with round-to-nearest and without DAZ/FTZ.
+// kMayBeNan = false where the caller knows no lane is NaN (scaled values of a group that is not
+// poisoned are finite or +-Inf); +-Inf saturates either way.
+template <class F, bool kMayBeNan>
+static inline __m512i encode(__m512 f) {
+  constexpr int kShift = 23 - F::kMbits, kEmin = 1 - F::kBias, kSignPos = F::kEbits + F::kMbits;
+  constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(127 + kEmin) << 23;
+  constexpr uint32_t kMagicBits = static_cast<uint32_t>(127 + kEmin - F::kMbits + 23) << 23;
+  constexpr uint32_t kRebias = static_cast<uint32_t>(127 - F::kBias) << 23;
+  const __m512i b = _mm512_castps_si512(f);
+  const __m512i u = _mm512_and_si512(b, u32(kF32AbsMask));
+  // ((u + half - 1 + lsb) >> shift) - rebias, the rebias folded in before the shift (it is a
+  // multiple of 2^shift and no larger than u for a normal target).
+  __m512i cn = _mm512_add_epi32(u, u32(((1u << (kShift - 1)) - 1u) - kRebias));
+  cn = _mm512_add_epi32(cn, _mm512_and_si512(_mm512_srli_epi32(u, kShift), u32(1)));
+  cn = _mm512_srli_epi32(cn, kShift);
+  const __m512 magic = _mm512_castsi512_ps(u32(kMagicBits));
+  const __m512i cs = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(u), magic)), u32(kMagicBits));
+  const Mask normal = _mm512_cmpge_epu32_mask(u, u32(kMinNormalBits));
+  __m512i c = _mm512_min_epu32(_mm512_mask_blend_epi32(normal, cs, cn), u32(F::kMaxCode));
+  const __m512i sign_src = _mm512_srli_epi32(b, 31 - kSignPos);
+  const __m512i sign_bit = u32(1u << kSignPos);
+  if constexpr (kMayBeNan) {
+    const Mask nan = _mm512_cmpgt_epu32_mask(u, u32(kF32InfBits));
+    if constexpr (F::kNanCode != 0) {
+      c = _mm512_mask_mov_epi32(c, nan, u32(F::kNanCode));  // NaN keeps its sign: sign | 0x7F
+    } else {
+      c = _mm512_maskz_mov_epi32(static_cast<Mask>(~nan), c);  // E2M1: NaN is +0, no sign
+      return _mm512_mask_ternarylogic_epi32(c, static_cast<Mask>(~nan), sign_src, sign_bit, 0xF8);
+    }
+  }
+  return _mm512_ternarylogic_epi32(c, sign_src, sign_bit, 0xF8);  // c | (sign_src & sign_bit)
+}
+
+// out lane i = the unsigned max over the 16 lanes of m[i]: a transposing reduction (48 ops for
+// 16 vectors instead of a horizontal reduction per vector).
+static inline __m512i reduce16(const __m512i* m) {
+  __m512i w[8], y[4], z[2];
+  for (int k = 0; k < 8; ++k) {  // w[k]: 8 partials of m[2k], then 8 of m[2k+1]
+    const __m512i a = m[2 * k], b = m[2 * k + 1];
+    w[k] = _mm512_max_epu32(_mm512_shuffle_i32x4(a, b, 0x44), _mm512_shuffle_i32x4(a, b, 0xEE));
+  }
+  for (int k = 0; k < 4; ++k) {  // y[k]: quarter j holds 4 partials of m[4k + j]
+    const __m512i a = w[2 * k], b = w[2 * k + 1];
+    y[k] = _mm512_max_epu32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
+  }
+  for (int k = 0; k < 2; ++k) {  // z[k]: quarter j holds 2 partials of m[4k + j], 2 of m[4k + 8 + j]
+    const __m512i a = y[k], b = y[k + 2];
+    z[k] = _mm512_max_epu32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+  }
+  const __m512i t0 = _mm512_max_epu32(z[0], _mm512_shuffle_epi32(z[0], _MM_PERM_CDAB));
+  const __m512i t1 = _mm512_max_epu32(z[1], _mm512_shuffle_epi32(z[1], _MM_PERM_CDAB));
+  // Lane 4j + t now holds m[j + 4t]; transpose that 4x4 back.
+  const __m512i r = _mm512_mask_blend_epi32(0xAAAA, t0, t1);
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_epi32(idx, r);
+}
+
+// Byte codes of 16 lanes to out[0, n).
+static inline void store_bytes(uint8_t* out, __m512i codes, Mask m) {
+  _mm512_mask_cvtepi32_storeu_epi8(out, m, codes);
+}
+
+// 16 four-bit codes to 8 bytes (element 0 in the low nibble); writes ceil(n / 2) bytes. A lane
+// past n holds the code of +0 (masked loads), which is the contract's pad nibble.
+static inline void store_nibbles(uint8_t* out, __m512i codes, int64_t n) {
+  const __m512i pairs = _mm512_or_si512(codes, _mm512_srli_epi64(codes, 28));
+  const int64_t bytes = n >= 16 ? 8 : (n + 1) / 2;
+  _mm512_mask_cvtepi64_storeu_epi8(out, static_cast<__mmask8>((1u << bytes) - 1u), pairs);
+}
+
+// Accumulates |x| bits of n inputs (lane-wise unsigned max) into acc: fp32 as 16 lanes, bf16 and
+// fp16 as 32 half-width lanes (|x| bits of every format order like the values, NaN above Inf).
+template <DType D>
+static inline __m512i acc_abs(const typename In<D>::T* x, int64_t n, __m512i acc) {
+  if constexpr (D == DType::f32) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_max_epu32(acc, abs_bits(_mm512_loadu_ps(x + i)));
+    if (i < n) acc = _mm512_max_epu32(acc, abs_bits(_mm512_maskz_loadu_ps(tail_mask(n - i), x + i)));
+    return acc;
+  } else {
+    const __m512i abs16 = _mm512_set1_epi16(0x7FFF);
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) acc = _mm512_max_epu16(acc, _mm512_and_si512(_mm512_loadu_si512(x + i), abs16));
+    if (i < n) {
+      const __mmask32 k = static_cast<__mmask32>((1ull << (n - i)) - 1u);
+      acc = _mm512_max_epu16(acc, _mm512_and_si512(_mm512_maskz_loadu_epi16(k, x + i), abs16));
+    }
+    return acc;
+  }
+}
+
+// 16 lanes of fp32 bit patterns whose unsigned max is the amax bits of what acc saw.
+template <DType D>
+static inline __m512i amax_lanes(__m512i acc) {
+  if constexpr (D == DType::f32) {
+    return acc;
+  } else {
+    const __m256i h = _mm256_max_epu16(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+    if constexpr (D == DType::bf16) return _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+    return _mm512_castps_si512(_mm512_cvtph_ps(h));  // exact; a NaN stays above Inf
+  }
+}
+
+// 16 four-bit codes to 8 bytes, no mask (a full block).
+static inline void store_nibbles16(uint8_t* out, __m512i codes) {
+  const __m512i pairs = _mm512_or_si512(codes, _mm512_srli_epi64(codes, 28));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(pairs));
+}
+
+// Lane k of v in every lane.
+static inline __m512 lane(__m512 v, int k) { return _mm512_permutexvar_ps(_mm512_set1_epi32(k), v); }
+
+// amax bits of n inputs (the same value as In<D>::amax_bits).
+template <DType D>
+static inline uint32_t amax(const typename In<D>::T* x, int64_t n) {
+  return _mm512_reduce_max_epu32(amax_lanes<D>(acc_abs<D>(x, n, _mm512_setzero_si512())));
+}
+
+}  // namespace simd
+
+// ---- FP8 ----------------------------------------------------------------------------------
+
+template <DType D, class F>
+static void fp8_run_v(const typename In<D>::T* x, int64_t n, float s, uint8_t* out) {
+  const __m512 vs = _mm512_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 a = _mm512_div_ps(simd::load<D>(x + i, 0xFFFF), vs);
+    const __m512 b = _mm512_div_ps(simd::load<D>(x + i + 16, 0xFFFF), vs);
+    simd::store_bytes(out + i, simd::encode<F, false>(a), 0xFFFF);
+    simd::store_bytes(out + i + 16, simd::encode<F, false>(b), 0xFFFF);
+  }
+  for (; i < n; i += 16) {
+    const simd::Mask m = simd::tail_mask(n - i);
+    simd::store_bytes(out + i, simd::encode<F, false>(_mm512_div_ps(simd::load<D>(x + i, m), vs)), m);
+  }
+}
+
+template <DType D, class F>
+static void fp8_flat_v(const Fp8Args& a, int64_t begin, int64_t n, uint32_t amax) {
+  const auto* x = static_cast<const typename In<D>::T*>(a.x) + begin;
+  if (is_poisoned(amax)) {
+    std::memset(a.out + begin, F::kNanCode, static_cast<size_t>(n));
+    return;
+  }
+  fp8_run_v<D, F>(x, n, fp8_scale<F>(bits_f32(amax)), a.out + begin);
+}
+
+// Tile rows [t0, t1): 16 tiles along the row at a time, their amaxes reduced together and
+// their scales computed lane-wise (fp8_scale in contract.h), then each tile cast.
+template <DType D, class F>
+static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
+  const auto* x = static_cast<const typename In<D>::T*>(a.x);
+  const int64_t R = a.rows, C = a.cols, tr = a.tile_rows, tc = a.tile_cols;
+  const int64_t nr = (R + tr - 1) / tr, nc = (C + tc - 1) / tc;
+  __m512i m[16];
+  alignas(64) float s[16];
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t b = t / nr, i = t % nr;
+    const int64_t r0 = b * R + i * tr, r1 = b * R + lo(R, (i + 1) * tr);
+    for (int64_t j0 = 0; j0 < nc; j0 += 16) {
+      const int64_t nb = lo(16, nc - j0);
+      for (int64_t k = 0; k < 16; ++k) m[k] = _mm512_setzero_si512();
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t c0 = (j0 + k) * tc, n = lo(C, c0 + tc) - c0;
+        __m512i acc = _mm512_setzero_si512();
+        for (int64_t r = r0; r < r1; ++r) acc = simd::acc_abs<D>(x + r * C + c0, n, acc);
+        m[k] = simd::amax_lanes<D>(acc);
+      }
+      const __m512i amax = simd::reduce16(m);
+      const simd::Mask poisoned = _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits));
+      __m512 sv = _mm512_max_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(kAmaxMin));
+      sv = _mm512_div_ps(sv, _mm512_set1_ps(F::kMax));
+      sv = _mm512_mask_mov_ps(sv, poisoned, _mm512_castsi512_ps(simd::u32(kF32QuietNan)));
+      _mm512_mask_storeu_ps(a.scales + t * nc + j0, simd::tail_mask(nb), sv);
+      _mm512_store_ps(s, sv);
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t c0 = (j0 + k) * tc, n = lo(C, c0 + tc) - c0;
+        for (int64_t r = r0; r < r1; ++r) {
+          if ((poisoned >> k) & 1)
+            std::memset(a.out + r * C + c0, F::kNanCode, static_cast<size_t>(n));
+          else
+            fp8_run_v<D, F>(x + r * C + c0, n, s[k], a.out + r * C + c0);
+        }
+      }
+    }
+  }
+}
+
+// ---- MX: 1x32 blocks, E8M0 scales; 16 blocks of a row at a time ----------------------------
+
+// E8M0 codes of 16 block amaxes (fp32 bits, none poisoned): the lane-wise e8m0_code<F>.
+template <class F>
+static inline __m512i e8m0_codes(ScaleRule rule, __m512i amax) {
+  const __m512i zero = _mm512_setzero_si512();
+  if (rule == ScaleRule::rceil) {
+    const __m512 d = _mm512_div_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(F::kMax));
+    const __m512i db = _mm512_castps_si512(d);
+    const __m512i field = _mm512_srli_epi32(db, 23);
+    const __m512i mant = _mm512_and_si512(db, simd::u32(0x007FFFFFu));
+    __m512i code = _mm512_mask_add_epi32(field, _mm512_test_epi32_mask(mant, mant), field, simd::u32(1));
+    const __m512i sub = _mm512_maskz_mov_epi32(_mm512_cmpgt_epu32_mask(mant, simd::u32(0x00400000u)), simd::u32(1));
+    code = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(field, zero), code, sub);
+    return _mm512_min_epu32(code, simd::u32(254));
+  }
+  __m512i r = amax;
+  if (rule == ScaleRule::even)
+    r = _mm512_and_si512(_mm512_add_epi32(amax, simd::u32(1u << (22 - F::kMbits))), simd::u32(0xFF800000u));
+  // clamp((r >> 23) - 127 - emax, -127, 127) + 127 == clamp((r >> 23) - emax, 0, 254)
+  const __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(r, 23), simd::u32(F::kEmax));
+  return _mm512_min_epi32(_mm512_max_epi32(e, zero), simd::u32(254));
+}
+
+// The lane-wise e8m0_inverse: 2^(127 - code) (code 254 gives the subnormal 2^-127).
+static inline __m512 e8m0_inverses(__m512i code) {
+  const __m512i v = _mm512_slli_epi32(_mm512_sub_epi32(simd::u32(254), code), 23);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(v, _mm512_cmpge_epu32_mask(code, simd::u32(254)), simd::u32(0x00400000u)));
+}
+
+// 16 whole blocks (512 contiguous inputs): the masked loop below without masks or branches.
+template <DType D, class F>
+static inline void mx_batch512(const typename In<D>::T* x, ScaleRule rule, uint8_t* scales, uint8_t* out) {
+  constexpr bool kPacked = F::kEbits + F::kMbits == 3;
+  __m512i m[16];
+  for (int k = 0; k < 16; ++k)
+    m[k] = _mm512_max_epu32(simd::abs_bits(simd::load<D>(x + 32 * k, 0xFFFF)),
+                            simd::abs_bits(simd::load<D>(x + 32 * k + 16, 0xFFFF)));
+  const __m512i amax = simd::reduce16(m);
+  const simd::Mask poisoned = _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits));
+  const __m512i code = _mm512_mask_mov_epi32(e8m0_codes<F>(rule, amax), poisoned, simd::u32(kE8M0Nan));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(code));
+  const __m512 mul = e8m0_inverses(code);
+  for (int k = 0; k < 16; ++k) {
+    __m512i c0 = simd::u32(F::kNanCode), c1 = c0;
+    if (!((poisoned >> k) & 1)) {
+      const __m512 f = simd::lane(mul, k);
+      c0 = simd::encode<F, false>(_mm512_mul_ps(simd::load<D>(x + 32 * k, 0xFFFF), f));
+      c1 = simd::encode<F, false>(_mm512_mul_ps(simd::load<D>(x + 32 * k + 16, 0xFFFF), f));
+    }
+    if constexpr (kPacked) {
+      simd::store_nibbles16(out + 16 * k, c0);
+      simd::store_nibbles16(out + 16 * k + 8, c1);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * k), _mm512_cvtepi32_epi8(c0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * k + 16), _mm512_cvtepi32_epi8(c1));
+    }
+  }
+}
+
+template <DType D, class F>
+static void mx_rows_v(const MxArgs& a, int64_t r0, int64_t r1) {
+  constexpr int64_t kBlock = 32;
+  constexpr bool kPacked = F::kEbits + F::kMbits == 3;
+  const auto* xs = static_cast<const typename In<D>::T*>(a.x);
+  const int64_t C = a.cols, nblk = (C + kBlock - 1) / kBlock;
+  const int64_t out_stride = kPacked ? (C + 1) / 2 : C;
+  const __m512i nan_codes = simd::u32(F::kNanCode);
+  __m512i m[16];
+  alignas(64) float mul[16];
+  for (int64_t r = r0; r < r1; ++r) {
+    const auto* x = xs + r * C;
+    uint8_t* out = a.out + r * out_stride;
+    uint8_t* scales = a.scales + r * nblk;
+    int64_t b0 = 0;
+    for (; (b0 + 16) * kBlock <= C; b0 += 16)
+      mx_batch512<D, F>(x + b0 * kBlock, a.rule, scales + b0, out + (kPacked ? b0 * 16 : b0 * kBlock));
+    for (; b0 < nblk; b0 += 16) {
+      const int64_t nb = lo(16, nblk - b0);
+      for (int64_t k = 0; k < 16; ++k) m[k] = _mm512_setzero_si512();
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t j = (b0 + k) * kBlock, n = lo(kBlock, C - j);
+        m[k] = simd::amax_lanes<D>(simd::acc_abs<D>(x + j, n, _mm512_setzero_si512()));
+      }
+      const __m512i amax = simd::reduce16(m);
+      const simd::Mask poisoned = _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits));
+      const __m512i code = _mm512_mask_mov_epi32(e8m0_codes<F>(a.rule, amax), poisoned, simd::u32(kE8M0Nan));
+      simd::store_bytes(scales + b0, code, simd::tail_mask(nb));
+      _mm512_store_ps(mul, e8m0_inverses(code));
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t j = (b0 + k) * kBlock, n = lo(kBlock, C - j), n1 = n > 16 ? n - 16 : 0;
+        const simd::Mask m0 = simd::tail_mask(n), m1 = simd::tail_mask(n1);
+        __m512i c0 = nan_codes, c1 = nan_codes;
+        if (!((poisoned >> k) & 1)) {
+          const __m512 f = _mm512_set1_ps(mul[k]);
+          c0 = simd::encode<F, false>(_mm512_mul_ps(simd::load<D>(x + j, m0), f));
+          c1 = simd::encode<F, false>(_mm512_mul_ps(simd::load<D>(x + j + 16, m1), f));
+        }
+        if constexpr (kPacked) {
+          simd::store_nibbles(out + j / 2, c0, n);
+          if (n1 > 0) simd::store_nibbles(out + j / 2 + 8, c1, n1);
+        } else {
+          simd::store_bytes(out + j, c0, m0);
+          if (n1 > 0) simd::store_bytes(out + j + 16, c1, m1);
+        }
+      }
+    }
+  }
+}
+
+// ---- NVFP4: 16-element blocks (1x16) or 16x16 tiles; 16 blocks along the row at a time -----
+
+// nvfp4_block_code and nvfp4_block_factor (contract.h) for 16 block amaxes, lane-wise. The
+// clamped block scale is at least 2^-6, the smallest normal E4M3, so its code decodes as normal.
+static inline __m512i nvfp4_codes(__m512i amax, __m512 sg, __m512 inv, __m512* factor) {
+  __m512 bs = _mm512_div_ps(_mm512_div_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(E2M1::kMax)), sg);
+  bs = _mm512_min_ps(_mm512_max_ps(bs, _mm512_set1_ps(kNvfp4BlockScaleMin)), _mm512_set1_ps(E4M3::kMax));
+  const __m512i code = simd::encode<E4M3, false>(bs);
+  const __m512 dec = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(code, 20), simd::u32(120u << 23)));
+  *factor = _mm512_div_ps(inv, dec);
+  return code;
+}
+
+// 1x16, 16 whole blocks (256 contiguous inputs), no masks.
+template <DType D>
+static inline void nvfp4_batch256(const typename In<D>::T* x, __m512 sg, __m512 inv, uint8_t* scales, uint8_t* out) {
+  __m512i m[16];
+  for (int k = 0; k < 16; ++k) m[k] = simd::abs_bits(simd::load<D>(x + 16 * k, 0xFFFF));
+  __m512 factor;
+  const __m512i code = nvfp4_codes(simd::reduce16(m), sg, inv, &factor);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(code));
+  for (int k = 0; k < 16; ++k) {
+    const __m512 v = _mm512_mul_ps(simd::load<D>(x + 16 * k, 0xFFFF), simd::lane(factor, k));
+    simd::store_nibbles16(out + 8 * k, simd::encode<E2M1, false>(v));
+  }
+}
+
+template <DType D>
+static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint32_t* gamax) {
+  const auto* x = static_cast<const typename In<D>::T*>(a.x);
+  const int64_t R = a.rows, C = a.cols, tr = a.tile16x16 ? 16 : 1;
+  const int64_t nr = (R + tr - 1) / tr, nc = (C + 15) / 16, out_stride = (C + 1) / 2;
+  __m512i m[16];
+  alignas(64) float factor[16];
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t b = t / nr, i = t % nr;
+    const int64_t r0 = b * R + i * tr, r1 = b * R + lo(R, (i + 1) * tr);
+    if (is_poisoned(gamax[b])) {
+      for (int64_t r = r0; r < r1; ++r) {
+        std::memset(a.scales + r * nc, E4M3::kNanCode, static_cast<size_t>(nc));
+        std::memset(a.out + r * out_stride, 0, static_cast<size_t>(out_stride));
+      }
+      continue;
+    }
+    const __m512 sg = _mm512_set1_ps(a.global_scale[b]);
+    const __m512 inv = _mm512_set1_ps(1.0f / a.global_scale[b]);
+    int64_t j0 = 0;
+    if (tr == 1)
+      for (; (j0 + 16) * 16 <= C; j0 += 16)
+        nvfp4_batch256<D>(x + r0 * C + j0 * 16, sg, inv, a.scales + r0 * nc + j0, a.out + r0 * out_stride + j0 * 8);
+    for (; j0 < nc; j0 += 16) {
+      const int64_t nb = lo(16, nc - j0);
+      for (int64_t k = 0; k < 16; ++k) m[k] = _mm512_setzero_si512();
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t c0 = (j0 + k) * 16;
+        const int64_t n = lo(16, C - c0);
+        __m512i acc = _mm512_setzero_si512();
+        for (int64_t r = r0; r < r1; ++r) acc = simd::acc_abs<D>(x + r * C + c0, n, acc);
+        m[k] = simd::amax_lanes<D>(acc);
+      }
+      __m512 fv;
+      const __m512i code = nvfp4_codes(simd::reduce16(m), sg, inv, &fv);
+      _mm512_store_ps(factor, fv);
+      for (int64_t r = r0; r < r1; ++r) simd::store_bytes(a.scales + r * nc + j0, code, simd::tail_mask(nb));
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t c0 = (j0 + k) * 16, n = lo(16, C - c0);
+        const simd::Mask mk = simd::tail_mask(n);
+        const __m512 f = _mm512_set1_ps(factor[k]);
+        for (int64_t r = r0; r < r1; ++r) {
+          const __m512 v = _mm512_mul_ps(simd::load<D>(x + r * C + c0, mk), f);
+          simd::store_nibbles(a.out + r * out_stride + c0 / 2, simd::encode<E2M1, false>(v), n);
+        }
+      }
+    }
+  }
+}
+
+// ---- INT4 -----------------------------------------------------------------------------------
+
+// Offset-binary INT4 codes of 16 lanes against the stored scale s (int4_code in contract.h):
+// clamp(x / s, -8, 8) (finite: the group is not poisoned), RNE to an integer (vcvtps2dq under
+// round-to-nearest, which our threads select), clamp to [-7, 7], + 8.
+static inline __m512i int4_codes(__m512 v, __m512 s) {
+  __m512 y = _mm512_div_ps(v, s);
+  y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-8.0f)), _mm512_set1_ps(8.0f));
+  __m512i q = _mm512_cvtps_epi32(y);
+  q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-7)), _mm512_set1_epi32(7));
+  return _mm512_add_epi32(q, _mm512_set1_epi32(8));
+}
+
+// The stored INT4 scales of 16 groups (store_scale in cpu_kernels.h, lane-wise): writes the
+// first nb to `dst` in the storage dtype and returns them widened back to fp32. Poisoned lanes
+// store the canonical quiet NaN of the dtype.
+static inline __m512 int4_store_scales(__m512i amax, simd::Mask poisoned, DType sd, void* dst, int64_t nb) {
+  __m512 s = _mm512_div_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(kInt4Qmax));
+  s = _mm512_max_ps(s, _mm512_set1_ps(kInt4ScaleMin));
+  const simd::Mask m = simd::tail_mask(nb);
+  if (sd == DType::bf16) {
+    const __m512i u = _mm512_castps_si512(s);
+    __m512i h = _mm512_add_epi32(u, _mm512_add_epi32(simd::u32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), simd::u32(1))));
+    h = _mm512_mask_mov_epi32(_mm512_srli_epi32(h, 16), poisoned, simd::u32(0x7FC0));
+    _mm512_mask_cvtepi32_storeu_epi16(dst, m, h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+  }
+  if (sd == DType::f16) {
+    // RNE to fp16; anything above 65504 rounds to at most Inf and saturates to 65504 (the
+    // contract's satfinite), so clamping first gives the same code.
+    __m256i h = _mm512_cvtps_ph(_mm512_min_ps(s, _mm512_set1_ps(65504.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    h = _mm256_mask_mov_epi16(h, poisoned, _mm256_set1_epi16(0x7E00));
+    _mm256_mask_storeu_epi16(dst, m, h);
+    return _mm512_cvtph_ps(h);
+  }
+  s = _mm512_mask_mov_ps(s, poisoned, _mm512_castsi512_ps(simd::u32(kF32QuietNan)));
+  _mm512_mask_storeu_ps(dst, m, s);
+  return s;
+}
+
+template <DType D>
+static void int4_rows_v(const Int4Args& a, int64_t r0, int64_t r1) {
+  const auto* xs = static_cast<const typename In<D>::T*>(a.x);
+  const int64_t C = a.cols, g = a.group;
+  const int64_t out_stride = (C + 1) / 2, ng = (C + g - 1) / g;
+  const int64_t scale_size = a.scale_dtype == DType::f32 ? 4 : 2;
+  __m512i m[16];
+  for (int64_t r = r0; r < r1; ++r) {
+    const auto* x = xs + r * C;
+    uint8_t* out = a.out + r * out_stride;
+    for (int64_t j0 = 0; j0 < ng; j0 += 16) {
+      const int64_t nb = lo(16, ng - j0);
+      for (int64_t k = 0; k < 16; ++k) m[k] = _mm512_setzero_si512();
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t j = (j0 + k) * g;
+        m[k] = simd::amax_lanes<D>(simd::acc_abs<D>(x + j, lo(g, C - j), _mm512_setzero_si512()));
+      }
+      const __m512i amax = simd::reduce16(m);
+      const simd::Mask poisoned = _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits));
+      uint8_t* dst = static_cast<uint8_t*>(a.scales) + (r * ng + j0) * scale_size;
+      const __m512 sv = int4_store_scales(amax, poisoned, a.scale_dtype, dst, nb);
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t j = (j0 + k) * g, n = lo(g, C - j);
+        const bool bad = (poisoned >> k) & 1;
+        const __m512 s = simd::lane(sv, static_cast<int>(k));
+        for (int64_t i = 0; i < n; i += 16) {
+          const simd::Mask mk = simd::tail_mask(n - i);
+          // Lanes past the row are 0 / s = 0 -> code 8, the pad nibble; poisoned groups write 8s.
+          const __m512i c = bad ? simd::u32(8) : int4_codes(simd::load<D>(x + j + i, mk), s);
+          if (n - i >= 16)
+            simd::store_nibbles16(out + (j + i) / 2, c);
+          else
+            simd::store_nibbles(out + (j + i) / 2, c, n - i);
+        }
+      }
+    }
+  }
+}
+
+// ---- raw casts and amax ---------------------------------------------------------------------
+
+template <class F>
+static void encode_run_v(const float* x, int64_t n, uint8_t* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const simd::Mask m = simd::tail_mask(n - i);
+    simd::store_bytes(out + i, simd::encode<F, true>(_mm512_maskz_loadu_ps(m, x + i)), m);
+  }
+}
+
+}  // namespace avx512
+}  // namespace cpu
+}  // namespace miles_quant
