@@ -27,7 +27,29 @@ from miles_transfer._delta_publish import (
 )
 from miles_transfer._digest import tensor_digest
 from miles_transfer._http import HTTPReceiver, ReceiverError
+from miles_transfer._layout import Layout, LocalTensor, ParamSpec, Piece, RankLayout, materialize
+from miles_transfer._layout_megatron import megatron_layout
+from miles_transfer._layout_models import (
+    ModelShape,
+    fsdp_layout,
+    qwen3_params,
+    replicated_layout,
+    shard_dim0,
+)
+from miles_transfer._layout_sglang import sglang_layout
 from miles_transfer._module_receiver import ModuleReceiver
+from miles_transfer._p2p import (
+    DEFAULT_P2P_BUCKET_BYTES,
+    BucketTiming,
+    ShardReceiver,
+    ShardSender,
+    TransferReport,
+    dst_peer,
+    reshard_local,
+    src_peer,
+)
+from miles_transfer._p2p_module import module_buffers, module_param_specs, module_shards
+from miles_transfer._plan import CopyOp, TransferPlan, clear_plan_cache, plan_transfer
 from miles_transfer._push import (
     DEFAULT_BUCKET_BYTES,
     SyncReport,
@@ -36,9 +58,22 @@ from miles_transfer._push import (
     push_weights,
 )
 from miles_transfer._receiver import WeightReceiver
+from miles_transfer._reshard import (
+    copy_ops,
+    pack,
+    packed_bytes,
+    reshard_native_available,
+    reshard_native_error,
+    unpack,
+)
 from miles_transfer._safetensors import iter_safetensors, save_safetensors
 from miles_transfer._server import WeightServer
 from miles_transfer._state import bucketize, iter_full_state
+from miles_transfer._transport import Transport, TransportError
+from miles_transfer._transport_dist import TorchDistributedTransport
+from miles_transfer._transport_local import InProcessHub, InProcessTransport
+from miles_transfer._transport_mooncake import MooncakeTransport, mooncake_available
+from miles_transfer._transport_socket import ShmTransport, TcpTransport
 from miles_transfer._wire import (
     deserialize_named_tensors,
     discard_serialized,
@@ -48,6 +83,9 @@ from miles_transfer.version import __version__
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_P2P_BUCKET_BYTES",
+    "BucketTiming",
+    "CopyOp",
     "DeltaBaseError",
     "DeltaPublisher",
     "DeltaReport",
@@ -55,13 +93,31 @@ __all__ = [
     "DiskReloadEngine",
     "EngineUpdateReport",
     "HTTPReceiver",
+    "InProcessHub",
+    "InProcessTransport",
+    "Layout",
+    "LocalTensor",
     "MaterializeReport",
+    "ModelShape",
     "ModuleReceiver",
+    "MooncakeTransport",
+    "ParamSpec",
     "PausableEngine",
+    "Piece",
     "PublishReport",
     "PullReport",
+    "RankLayout",
     "ReceiverError",
+    "ShardReceiver",
+    "ShardSender",
+    "ShmTransport",
     "SyncReport",
+    "TcpTransport",
+    "TorchDistributedTransport",
+    "TransferPlan",
+    "TransferReport",
+    "Transport",
+    "TransportError",
     "VerifyReport",
     "WeightMismatchError",
     "WeightReceiver",
@@ -69,18 +125,40 @@ __all__ = [
     "__version__",
     "apply_delta",
     "bucketize",
+    "clear_plan_cache",
+    "copy_ops",
     "deserialize_named_tensors",
     "discard_serialized",
+    "dst_peer",
     "encode_delta",
+    "fsdp_layout",
     "iter_full_state",
     "iter_safetensors",
+    "materialize",
     "materialize_delta",
+    "megatron_layout",
+    "module_buffers",
+    "module_param_specs",
+    "module_shards",
+    "mooncake_available",
+    "pack",
+    "packed_bytes",
+    "plan_transfer",
     "push_module_weights",
     "push_weights",
+    "qwen3_params",
     "recover_target",
+    "replicated_layout",
+    "reshard_local",
+    "reshard_native_available",
+    "reshard_native_error",
     "save_safetensors",
     "serialize_named_tensors",
+    "sglang_layout",
+    "shard_dim0",
+    "src_peer",
     "tensor_digest",
+    "unpack",
     "update_engine_from_delta",
     "update_engine_via_disk",
     "verify_delta",

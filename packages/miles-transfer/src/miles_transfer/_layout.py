@@ -144,7 +144,9 @@ class Layout:
 
     def rank(self, r: int) -> RankLayout:
         if not 0 <= r < len(self.ranks):
-            raise ValueError(f"rank {r} is outside this {self.kind} layout of {len(self.ranks)} ranks")
+            raise ValueError(
+                f"rank {r} is outside this {self.kind} layout of {len(self.ranks)} ranks"
+            )
         return self.ranks[r]
 
 
@@ -156,7 +158,9 @@ def _check_piece(
     if spec is None:
         raise ValueError(f"{where}: {p.name!r} is not a parameter of the layout; add its ParamSpec")
     if spec.dtype != lt.dtype:
-        raise ValueError(f"{where}: local dtype {lt.dtype} differs from the parameter's {spec.dtype}")
+        raise ValueError(
+            f"{where}: local dtype {lt.dtype} differs from the parameter's {spec.dtype}"
+        )
     if not len(p.full_start) == len(p.size) == len(spec.shape):
         raise ValueError(f"{where}: box rank differs from the parameter shape {spec.shape}")
     if len(p.local_start) != len(lt.shape) or len(lt.shape) < len(spec.shape):

@@ -75,7 +75,7 @@ def megatron_layout(
             for t in range(tp):
                 r: dict[str, LocalTensor] = {}
 
-                def vocab(local: str, hf: str) -> None:
+                def vocab(local: str, hf: str, t: int = t, r: dict[str, LocalTensor] = r) -> None:
                     start = t * vocab_rows
                     n = max(0, min(m.vocab, start + vocab_rows) - start)
                     pieces = (_rows(hf, start, n, H, 0),) if n else ()
@@ -99,8 +99,12 @@ def megatron_layout(
                     r[s + "linear_qkv.layer_norm_weight"] = whole(
                         hf + "input_layernorm.weight", params[hf + "input_layernorm.weight"]
                     )
-                    r[s + "q_layernorm.weight"] = whole(a + "q_norm.weight", params[a + "q_norm.weight"])
-                    r[s + "k_layernorm.weight"] = whole(a + "k_norm.weight", params[a + "k_norm.weight"])
+                    r[s + "q_layernorm.weight"] = whole(
+                        a + "q_norm.weight", params[a + "q_norm.weight"]
+                    )
+                    r[s + "k_layernorm.weight"] = whole(
+                        a + "k_norm.weight", params[a + "k_norm.weight"]
+                    )
                     qcols = m.num_heads * D // tp
                     r[s + "linear_proj.weight"] = _lt(
                         (H, qcols), m, _cols(a + "o_proj.weight", t * qcols, qcols, H)
@@ -142,10 +146,11 @@ def megatron_layout(
                     r["decoder.final_layernorm.weight"] = whole(
                         "model.norm.weight", params["model.norm.weight"]
                     )
-                    head = "model.embed_tokens.weight" if m.tie_word_embeddings else "lm_head.weight"
+                    head = (
+                        "model.embed_tokens.weight" if m.tie_word_embeddings else "lm_head.weight"
+                    )
                     if not (m.tie_word_embeddings and pp == 1):
                         vocab("output_layer.weight", head)
                 ranks.append(r)
     kind = f"megatron(tp={tp},pp={pp},dp={dp},ep={ep},etp={etp})"
     return make_layout(kind, params, ranks)
-

@@ -72,7 +72,7 @@ def sglang_layout(m: ModelShape, *, tp: int = 1, dp: int = 1, ep: int = 1) -> La
         for t in range(tp):
             r: dict[str, LocalTensor] = {}
 
-            def vocab(name: str) -> None:
+            def vocab(name: str, t: int = t, r: dict[str, LocalTensor] = r) -> None:
                 start = t * vocab_rows
                 n = max(0, min(m.vocab, start + vocab_rows) - start)
                 r[name] = LocalTensor((vocab_rows, H), dt, (rows(name, start, n, 0),) if n else ())
@@ -92,7 +92,9 @@ def sglang_layout(m: ModelShape, *, tp: int = 1, dp: int = 1, ep: int = 1) -> La
                         rows(a + "v_proj.weight", kv0 * D, kv_heads * D, qn + kv_heads * D),
                     ),
                 )
-                r[a + "o_proj.weight"] = LocalTensor((H, qn), dt, (cols(a + "o_proj.weight", t * qn, qn),))
+                r[a + "o_proj.weight"] = LocalTensor(
+                    (H, qn), dt, (cols(a + "o_proj.weight", t * qn, qn),)
+                )
                 for name in (a + "q_norm.weight", a + "k_norm.weight"):
                     r[name] = whole(name, params[name])
                 for name in (p + "input_layernorm.weight", p + "post_attention_layernorm.weight"):
@@ -111,7 +113,9 @@ def sglang_layout(m: ModelShape, *, tp: int = 1, dp: int = 1, ep: int = 1) -> La
                         (H, inter), dt, (cols(g + "down_proj.weight", t * inter, inter),)
                     )
                     continue
-                r[p + "mlp.gate.weight"] = whole(p + "mlp.gate.weight", params[p + "mlp.gate.weight"])
+                r[p + "mlp.gate.weight"] = whole(
+                    p + "mlp.gate.weight", params[p + "mlp.gate.weight"]
+                )
                 ek, et = t // moe_tp, t % moe_tp
                 w13: list[Piece] = []
                 w2: list[Piece] = []
@@ -122,7 +126,9 @@ def sglang_layout(m: ModelShape, *, tp: int = 1, dp: int = 1, ep: int = 1) -> La
                     w13.append(Piece(x + "gate_proj.weight", (s, 0), (e_inter, H), (j, 0, 0)))
                     w13.append(Piece(x + "up_proj.weight", (s, 0), (e_inter, H), (j, e_inter, 0)))
                     w2.append(Piece(x + "down_proj.weight", (0, s), (H, e_inter), (j, 0, 0)))
-                r[p + "mlp.experts.w13_weight"] = LocalTensor((experts, 2 * e_inter, H), dt, tuple(w13))
+                r[p + "mlp.experts.w13_weight"] = LocalTensor(
+                    (experts, 2 * e_inter, H), dt, tuple(w13)
+                )
                 r[p + "mlp.experts.w2_weight"] = LocalTensor((experts, H, e_inter), dt, tuple(w2))
             r["model.norm.weight"] = whole("model.norm.weight", params["model.norm.weight"])
             if not m.tie_word_embeddings:

@@ -159,12 +159,12 @@ class CopyOp:
     def _slice(self, k: int, a: int, n: int) -> CopyOp:
         def shift(start: tuple[int, ...], shape_rank: int) -> tuple[int, ...]:
             j = shape_rank - len(self.size) + k
-            return start[:j] + (start[j] + a,) + start[j + 1 :]
+            return (*start[:j], start[j] + a, *start[j + 1 :])
 
         return CopyOp(
             self.name,
             shift(self.full_start, len(self.size)),
-            self.size[:k] + (n,) + self.size[k + 1 :],
+            (*self.size[:k], n, *self.size[k + 1 :]),
             self.src_rank,
             self.src_name,
             self.src_shape,
@@ -250,9 +250,9 @@ def _subtract(box: tuple[tuple[int, int], ...], cut: tuple[tuple[int, int], ...]
     rest = list(box)
     for k, ((a, b), (c, d)) in enumerate(zip(box, cut, strict=True)):
         if a < c:
-            out.append(tuple(rest[:k]) + ((a, c),) + tuple(rest[k + 1 :]))
+            out.append((*rest[:k], (a, c), *rest[k + 1 :]))
         if d < b:
-            out.append(tuple(rest[:k]) + ((d, b),) + tuple(rest[k + 1 :]))
+            out.append((*rest[:k], (d, b), *rest[k + 1 :]))
         rest[k] = (c, d)
     return out
 
@@ -276,8 +276,9 @@ def _plan(src: Layout, dst: Layout) -> TransferPlan:
                     )
                 if have != spec:
                     raise ValueError(
-                        f"{dp.name!r} is {have.dtype}{list(have.shape)} in the source layout but "
-                        f"{spec.dtype}{list(spec.shape)} in the destination; cast or fix the layouts"
+                        f"{dp.name!r} is {have.dtype}{list(have.shape)} in the source layout "
+                        f"but {spec.dtype}{list(spec.shape)} in the destination; cast or fix "
+                        "the layouts"
                     )
                 cands = sources.get(dp.name, [])
                 start = d % len(cands) if cands else 0

@@ -28,7 +28,15 @@ import torch
 
 from miles_transfer._plan import CopyOp, Strided
 
-__all__ = ["Backend", "copy_ops", "native_available", "native_error", "pack", "packed_bytes", "unpack"]
+__all__ = [
+    "Backend",
+    "copy_ops",
+    "reshard_native_available",
+    "reshard_native_error",
+    "pack",
+    "packed_bytes",
+    "unpack",
+]
 
 Backend = Literal["auto", "native", "torch"]
 
@@ -48,12 +56,12 @@ _MAX_DIMS = 6 if _ext is None else int(_ext.MAX_DIMS)
 _warned = False
 
 
-def native_available() -> bool:
+def reshard_native_available() -> bool:
     """Whether the C++ re-sharding kernel can run in this process."""
     return _ext is not None
 
 
-def native_error() -> str | None:
+def reshard_native_error() -> str | None:
     """Why the native extension is unavailable (None when it is available)."""
     return _error
 
@@ -70,13 +78,19 @@ def packed_bytes(ops: Sequence[CopyOp]) -> int:
 
 def _bytes_of(t: torch.Tensor, what: str) -> torch.Tensor:
     if not t.is_contiguous():
-        raise ValueError(f"{what} must be contiguous (a row-major local tensor), got strides {t.stride()}")
+        raise ValueError(
+            f"{what} must be contiguous (a row-major local tensor), got strides {t.stride()}"
+        )
     return t.reshape(-1).view(torch.uint8)
 
 
-def _check(t: torch.Tensor | None, name: str, shape: tuple[int, ...], itemsize: int, side: str) -> torch.Tensor:
+def _check(
+    t: torch.Tensor | None, name: str, shape: tuple[int, ...], itemsize: int, side: str
+) -> torch.Tensor:
     if t is None:
-        raise ValueError(f"no {side} tensor named {name!r}; pass every local tensor of the rank's layout")
+        raise ValueError(
+            f"no {side} tensor named {name!r}; pass every local tensor of the rank's layout"
+        )
     if tuple(t.shape) != shape or t.element_size() != itemsize:
         raise ValueError(
             f"{side} tensor {name!r} is {t.dtype}{list(t.shape)}, but the plan expects shape "
@@ -91,16 +105,22 @@ def _resolve(backend: Backend, device: torch.device) -> str:
         raise ValueError(f"backend must be 'auto', 'native' or 'torch', got {backend!r}")
     if backend == "torch" or device.type != "cpu":
         if backend == "native":
-            raise ValueError(f"the native kernel copies CPU tensors only, got {device}; use backend='torch'")
+            raise ValueError(
+                f"the native kernel copies CPU tensors only, got {device}; use backend='torch'"
+            )
         return "torch"
     if _ext is None:
         if backend == "native":
-            raise RuntimeError(f"miles_transfer native extension unavailable ({_error}); reinstall with a C++ compiler")
+            raise RuntimeError(
+                f"miles_transfer native extension unavailable ({_error}); reinstall "
+                "miles-transfer with a C++ compiler"
+            )
         if not _warned:
             _warned = True
             warnings.warn(
                 f"miles_transfer: native re-sharding extension unavailable ({_error}); using the "
-                "PyTorch reference (same bytes, slower). Reinstall with a C++ compiler to build it.",
+                "PyTorch reference (same bytes, slower). Reinstall with a C++ compiler to build "
+                "it.",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -109,7 +129,9 @@ def _resolve(backend: Backend, device: torch.device) -> str:
 
 
 # A job: (source bytes, source offset, shape, source strides, dest bytes, dest offset, strides).
-_Job = tuple[torch.Tensor, int, tuple[int, ...], tuple[int, ...], torch.Tensor, int, tuple[int, ...]]
+_Job = tuple[
+    torch.Tensor, int, tuple[int, ...], tuple[int, ...], torch.Tensor, int, tuple[int, ...]
+]
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -120,7 +142,9 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _in_bounds(buf: torch.Tensor, off: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+def _in_bounds(
+    buf: torch.Tensor, off: int, shape: tuple[int, ...], strides: tuple[int, ...]
+) -> bool:
     if any(n == 0 for n in shape):
         return True
     last = off + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
@@ -133,8 +157,12 @@ def _run(jobs: list[_Job], backend: Backend, threads: int | None) -> None:
     device = jobs[0][0].device
     for j in jobs:
         if j[0].device != device or j[4].device != device:
-            raise ValueError(f"all tensors of one copy must be on one device, got {j[0].device} and {j[4].device}")
-        assert _in_bounds(j[0], j[1], j[2], j[3]) and _in_bounds(j[4], j[5], j[2], j[6]), "box out of bounds"
+            raise ValueError(
+                "all tensors of one copy must be on one device, got "
+                f"{j[0].device} and {j[4].device}"
+            )
+        assert _in_bounds(j[0], j[1], j[2], j[3]), "source box out of bounds"
+        assert _in_bounds(j[4], j[5], j[2], j[6]), "destination box out of bounds"
     if _resolve(backend, device) == "torch":
         for src, so, shape, ss, dst, do, ds in jobs:
             dst.as_strided(shape, ds, do).copy_(src.as_strided(shape, ss, so))
@@ -145,12 +173,12 @@ def _run(jobs: list[_Job], backend: Backend, threads: int | None) -> None:
     rows = []
     for src, so, shape, ss, dst, do, ds in jobs:
         if len(shape) > _MAX_DIMS:
-            raise ValueError(f"a copy box has {len(shape)} dims after merging; at most {_MAX_DIMS} are supported")
+            raise ValueError(
+                f"a copy box has {len(shape)} dims after merging; at most {_MAX_DIMS} are supported"
+            )
         pad = (0,) * (_MAX_DIMS - len(shape))
-        rows.append(
-            (src.data_ptr() + so, dst.data_ptr() + do, len(shape))
-            + shape + pad + ss + pad + ds + pad
-        )  # fmt: skip
+        rows.append((src.data_ptr() + so, dst.data_ptr() + do, len(shape), *shape, *pad,
+                     *ss, *pad, *ds, *pad))  # fmt: skip
     desc.copy_(torch.tensor(rows, dtype=torch.int64))
     _ext.copy(desc, torch.get_num_threads() if threads is None else int(threads))
 
@@ -187,9 +215,13 @@ def copy_ops(
 
 def _buffer(buf: torch.Tensor, need: int, what: str) -> torch.Tensor:
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-        raise ValueError(f"{what} must be a contiguous 1-D uint8 tensor, got {buf.dtype}{list(buf.shape)}")
+        raise ValueError(
+            f"{what} must be a contiguous 1-D uint8 tensor, got {buf.dtype}{list(buf.shape)}"
+        )
     if buf.numel() < need:
-        raise ValueError(f"{what} holds {buf.numel()} bytes but the ops need {need}; allocate packed_bytes(ops)")
+        raise ValueError(
+            f"{what} holds {buf.numel()} bytes but the ops need {need}; allocate packed_bytes(ops)"
+        )
     return buf
 
 
