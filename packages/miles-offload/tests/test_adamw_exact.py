@@ -106,9 +106,7 @@ def test_param_groups_maximize_and_lr_changes(tmp_path: Path) -> None:
     ref_params = make_params()
     ref = torch.optim.AdamW(groups(ref_params), **HYPER, foreach=False)
     params = make_params()
-    opt = mo.AdamW(
-        groups(params), **HYPER, offload="nvme", path=tmp_path, bucket_mb=TINY_BUCKET_MB
-    )
+    opt = mo.AdamW(groups(params), **HYPER, offload="nvme", path=tmp_path, bucket_mb=TINY_BUCKET_MB)
 
     def halve_lr(opt: torch.optim.Optimizer) -> None:
         for g in opt.param_groups:

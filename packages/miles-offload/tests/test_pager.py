@@ -25,7 +25,7 @@ def _roundtrip(tmp_path: Path, backend: str, nbytes: int, qd: int, block: int) -
     assert pager.backend == backend
     src = mo.aligned_empty(nbytes)
     src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator()))
-    fd, direct = mo.open_direct(tmp_path / f"{backend}.bin", create=True)
+    fd, _ = mo.open_direct(tmp_path / f"{backend}.bin", create=True)
     try:
         pager.write(fd, 8192, src)
         dst = mo.aligned_empty(nbytes)
@@ -72,7 +72,7 @@ def test_short_file_and_misaligned_buffers_raise(tmp_path: Path) -> None:
     fd, _ = mo.open_direct(tmp_path / "short.bin", create=True)
     try:
         pager.write(fd, 0, mo.aligned_empty(4096))
-        with pytest.raises(OSError, match="end of file|No data"):
+        with pytest.raises(OSError, match=r"end of file|No data"):
             pager.read(fd, 0, mo.aligned_empty(3 * 4096))
         with pytest.raises(ValueError, match="aligned to 4096"):
             pager.read(fd, 0, mo.aligned_empty(8192)[1:4097])
@@ -173,8 +173,6 @@ def test_without_the_extension_everything_still_works(tmp_path: Path) -> None:
         """
     )
     env = dict(os.environ, MILES_OFFLOAD_DISABLE_NATIVE="1")
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True
-    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "python", "True"]

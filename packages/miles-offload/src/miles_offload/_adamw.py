@@ -133,9 +133,7 @@ class AdamW(Optimizer):
         self._frozen = True
         self.offload = offload
         self._params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
-        self._group_of: list[dict[str, Any]] = [
-            g for g in self.param_groups for _ in g["params"]
-        ]
+        self._group_of: list[dict[str, Any]] = [g for g in self.param_groups for _ in g["params"]]
         locals_ = [_local(p) for p in self._params]
         for i, t in enumerate(locals_):
             if not t.is_contiguous():
@@ -479,8 +477,8 @@ class AdamW(Optimizer):
         try:
             self._store.visit([b.index for b in self._buckets], fill, read=False)
         except BaseException:
-            for s, v in zip(self._steps, old):
-                s.fill_(v)
+            for step, before in zip(self._steps, old):
+                step.fill_(before)
             raise
         for saved, g in zip(groups, self.param_groups):
             for k, v in saved.items():

@@ -46,8 +46,11 @@ class CorruptStateError(RuntimeError):
 
 def header_bytes(segment_desc: list[dict]) -> int:
     """Header size for a bucket with these segment descriptions (a multiple of ALIGN)."""
-    n = _FIXED.size + _SLACK + len(json.dumps(segment_desc)) + _SLACK_PER_SEGMENT * len(
-        segment_desc
+    n = (
+        _FIXED.size
+        + _SLACK
+        + len(json.dumps(segment_desc))
+        + _SLACK_PER_SEGMENT * len(segment_desc)
     )
     return -(-n // ALIGN) * ALIGN
 

@@ -70,9 +70,7 @@ class Bucket:
             for s in self.segments
         ]
 
-    def views(
-        self, buf: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(master fp32, exp_avg, exp_avg_sq) flat views of a bucket buffer."""
         msize = torch.empty((), dtype=self.moment_dtype).element_size()
         n = self.elems

@@ -93,7 +93,8 @@ def _view(buf: torch.Tensor) -> memoryview:
 
 def crc32c(buf: torch.Tensor, crc: int = 0) -> int:
     """CRC-32C (Castagnoli) of a contiguous CPU tensor's bytes, continuing from ``crc``."""
-    assert buf.is_contiguous() and buf.device.type == "cpu"
+    assert buf.is_contiguous()
+    assert buf.device.type == "cpu"
     n = buf.numel() * buf.element_size()
     if _native._ext is not None:
         return int(_native._ext.crc32c(buf.data_ptr(), n, crc))
@@ -226,8 +227,10 @@ class Pager:
             end = min(n, pos + self.block_size)
             while pos < end:
                 part = view[pos:end]
-                done = os.pwritev(fd, [part], offset + pos) if write else os.preadv(
-                    fd, [part], offset + pos
+                done = (
+                    os.pwritev(fd, [part], offset + pos)
+                    if write
+                    else os.preadv(fd, [part], offset + pos)
                 )
                 if done == 0:
                     raise OSError(errno.ENODATA, "miles_offload pager: unexpected end of file")

@@ -14,6 +14,7 @@ rename leaves the previous manifest and every file it names untouched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -47,7 +48,9 @@ class CpuStore:
         self.resident_bytes = sum(b.nbytes for b in buckets)
         self.peak_resident_bytes = self.resident_bytes
 
-    def visit(self, order: list[int], fn: VisitFn, *, read: bool = True, write: bool = True) -> None:
+    def visit(
+        self, order: list[int], fn: VisitFn, *, read: bool = True, write: bool = True
+    ) -> None:
         del read, write  # the buffers are the state
         for i in order:
             fn(self.buckets[i], self._bufs[i])
@@ -229,7 +232,9 @@ class NvmeStore:
             self._out -= 1
         free.put(buf)
 
-    def visit(self, order: list[int], fn: VisitFn, *, read: bool = True, write: bool = True) -> None:
+    def visit(
+        self, order: list[int], fn: VisitFn, *, read: bool = True, write: bool = True
+    ) -> None:
         """Run ``fn`` on each bucket of ``order``; with ``write``, commit the results.
 
         ``read=False`` skips loading (``fn`` must then fill the whole bucket). On any error
@@ -278,12 +283,11 @@ class NvmeStore:
             abort.set()
             for f in loads:
                 f.cancel()
-            for f in [*loads, *stores]:
+            pending: list[Future[Any]] = [*loads, *stores]
+            for f in pending:  # wait for the I/O threads; the first error is the one raised
                 if not f.cancelled():
-                    try:
+                    with contextlib.suppress(BaseException):
                         f.result()
-                    except BaseException:  # the first error is the one raised
-                        pass
             raise
         if write:
             self._commit(order, slots, generation)
