@@ -14,6 +14,7 @@ reference is used, with a one-time warning).
 """
 
 from miles_quant._api import QuantizedTensor, dequantize, quantize
+from miles_quant._delayed import DelayedScaler
 from miles_quant._layout import (
     pack_fp4,
     pack_int4,
@@ -31,6 +32,7 @@ from miles_quant.version import __version__
 
 __all__ = [
     "FORMATS",
+    "DelayedScaler",
     "QuantizedTensor",
     "__version__",
     "dequantize",

@@ -1,0 +1,247 @@
+"""Quantizer bandwidth: miles-quant's fused C++ kernels vs the peers, on the same buffers.
+
+Why: rollout-precision export and online activation quantization sit on the weight-update and
+inference paths, so a quantizer should run near memory speed. This script measures GB/s
+(bytes read + bytes written, per second) for 4096x4096, 8192x7168 and an MoE [E, N, K] weight,
+in bf16, single-threaded and with all threads, and puts side by side in the same run:
+
+- miles-quant native (fused amax + scale + cast + pack, writing into preallocated outputs with
+  ``quantize(..., out=q)``), and optionally its PyTorch reference (same bits);
+- the plain dtype casts of torch (``dst.copy_(x)`` into a float8 buffer) and ml_dtypes
+  (``np.copyto``), which compute no scale at all;
+- torchao's eager quantizers (``to_mx`` for MX formats, ``nvfp4_quantize`` for NVFP4);
+- a measured memcpy of the same input (``dst.copy_(x)``, same dtype) at 1 and all threads.
+
+Every output buffer is written once before timing (first-touch page faults run at about
+0.7 GB/s on the project's VMs and would otherwise dominate) and reused. Methods run
+interleaved: each repeat times every method once, and the median repeat is reported (the
+machine may be shared). The table gives ratios to memcpy (same thread count) and to torchao.
+
+Laptop:   python tools/bench/quant_bandwidth.py                # all shapes, ~3-6 min on 2 cores
+          python tools/bench/quant_bandwidth.py --quick        # 4096x4096 only, ~1 min
+          python tools/bench/quant_bandwidth.py --json out.json --repeat 5
+Cluster:  CPU only (the CUDA kernels are checked by tools/gpu_checks/quant_cuda_check.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import miles_quant as mq
+
+SHAPES = {"4096x4096": (4096, 4096), "8192x7168": (8192, 7168), "moe8x2048x7168": (8, 2048, 7168)}
+# (label, format, granularity, scale rule)
+FORMATS = [
+    ("fp8_e4m3 tensor", "fp8_e4m3", "tensor", None),
+    ("fp8_e4m3 1x128", "fp8_e4m3", "1x128", None),
+    ("fp8_block128", "fp8_block128", "128x128", None),
+    ("mxfp8_e4m3 floor", "mxfp8_e4m3", "1x32", "floor"),
+    ("mxfp8_e4m3 rceil", "mxfp8_e4m3", "1x32", "rceil"),
+    ("mxfp4 floor", "mxfp4", "1x32", "floor"),
+    ("nvfp4 1x16", "nvfp4", "1x16", None),
+    ("int4_g128", "int4_g128", "1x128", None),
+]
+
+
+@dataclass
+class Method:
+    """One timed callable and the bytes it reads plus writes per call."""
+
+    name: str
+    threads: int
+    fn: Callable[[], object]
+    nbytes: int
+    times: list[float] = field(default_factory=list)
+
+    def gbps(self) -> float:
+        return self.nbytes / statistics.median(self.times) / 1e9
+
+
+def _nbytes(q: mq.QuantizedTensor) -> int:
+    g = 0 if q.global_scale is None else q.global_scale.nbytes
+    return q.data.nbytes + q.scales.nbytes + g
+
+
+def _torchao() -> tuple[Callable[..., object], Callable[..., object], Callable[..., object]] | None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torchao.prototype.mx_formats.config import ScaleCalculationMode
+            from torchao.prototype.mx_formats.mx_tensor import to_mx
+            from torchao.prototype.mx_formats.nvfp4_tensor import (
+                nvfp4_quantize,
+                per_tensor_amax_to_scale,
+            )
+    except ImportError:
+        return None
+    modes = {"floor": ScaleCalculationMode.FLOOR, "rceil": ScaleCalculationMode.RCEIL}
+
+    def mx(x: torch.Tensor, elem: torch.dtype, rule: str) -> object:
+        return to_mx(x, elem, 32, modes[rule])
+
+    def nvfp4(x: torch.Tensor) -> object:
+        return nvfp4_quantize(x, 16, per_tensor_amax_to_scale(x.abs().amax().float()))
+
+    return mx, nvfp4, per_tensor_amax_to_scale
+
+
+def _ml_dtypes_cast(x: torch.Tensor, fmt: str) -> Callable[[], object] | None:
+    try:
+        import ml_dtypes
+        import numpy as np
+    except ImportError:
+        return None
+    target = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_block128": ml_dtypes.float8_e4m3fn}
+    target |= {"mxfp8_e4m3": ml_dtypes.float8_e4m3fn, "mxfp4": ml_dtypes.float4_e2m1fn}
+    if fmt not in target:
+        return None
+    src = x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    dst = np.empty(src.shape, dtype=target[fmt])
+    return lambda: np.copyto(dst, src, casting="unsafe")
+
+
+def methods_for(
+    x: torch.Tensor,
+    label: str,
+    fmt: str,
+    gran: str,
+    rule: str | None,
+    threads: list[int],
+    ref: bool,
+) -> list[Method]:
+    """The timed methods of one format on x: native per thread count, then the peers."""
+    stacked = x.dim() == 3 and gran in ("tensor", "1x16")
+    ms = []
+    q = mq.quantize(x, fmt, granularity=gran, scale_rule=rule, stacked=stacked)
+    moved = x.nbytes + _nbytes(q)
+    kw = {"granularity": gran, "scale_rule": rule, "stacked": stacked}
+    for t in threads:
+        native = functools.partial(mq.quantize, x, fmt, threads=t, out=q, **kw)  # type: ignore[arg-type]
+        ms.append(Method("native", t, native, moved))
+    if ref:
+        reference = functools.partial(mq.quantize, x, fmt, backend="torch", **kw)  # type: ignore[arg-type]
+        ms.append(Method("reference", threads[-1], reference, moved))
+    el = mq.FORMATS[fmt].element
+    if el is not None and el.torch_dtype is not None:
+        dst = torch.empty(x.shape, dtype=el.torch_dtype)
+        for t in threads:
+            ms.append(
+                Method("torch cast", t, functools.partial(dst.copy_, x), x.nbytes + dst.nbytes)
+            )
+    cast = _ml_dtypes_cast(x, fmt)
+    if cast is not None:
+        ms.append(Method("ml_dtypes cast", 1, cast, x.nbytes + x.numel()))
+    ao = _torchao()
+    if ao is not None and mq.FORMATS[fmt].family in ("mx", "nvfp4"):
+        mx, nvfp4, _ = ao
+        x2 = x.reshape(-1, x.shape[-1])
+        if fmt == "nvfp4":
+            fn: Callable[[], object] = functools.partial(nvfp4, x2)
+        else:
+            elem = torch.float4_e2m1fn_x2 if fmt == "mxfp4" else el.torch_dtype  # type: ignore[union-attr]
+            fn = functools.partial(mx, x2, elem, rule or "floor")
+        for t in threads:
+            ms.append(Method("torchao eager", t, fn, moved))
+    return ms
+
+
+def memcpy_methods(x: torch.Tensor, threads: list[int]) -> list[Method]:
+    dst = torch.empty_like(x)
+    return [Method("memcpy", t, functools.partial(dst.copy_, x), 2 * x.nbytes) for t in threads]
+
+
+def run_shape(shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(torch.bfloat16)
+    threads = sorted({1, args.threads})
+    formats = [f for f in FORMATS if not args.formats or f[1] in args.formats]
+    per_format = {label: methods_for(x, label, f, gr, r, threads, args.reference)
+                  for label, f, gr, r in formats}  # fmt: skip
+    memcpy = memcpy_methods(x, threads)
+    everything = memcpy + [m for ms in per_format.values() for m in ms]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for m in everything:  # warm up: allocate and page in every output once
+            torch.set_num_threads(m.threads)
+            m.fn()
+        for _ in range(args.repeat):  # interleaved
+            for m in everything:
+                torch.set_num_threads(m.threads)
+                t0 = time.perf_counter()
+                m.fn()
+                m.times.append(time.perf_counter() - t0)
+    torch.set_num_threads(args.threads)
+    mc = {m.threads: m.gbps() for m in memcpy}
+    rows = {}
+    for label, ms in per_format.items():
+        row: dict[str, float] = {}
+        for m in ms:
+            row[f"{m.name} {m.threads}t"] = m.gbps()
+        rows[label] = row
+    return {"shape": list(shape), "memcpy": mc, "formats": rows}
+
+
+def print_table(res: dict[str, object], threads: list[int]) -> None:
+    shape = "x".join(str(s) for s in res["shape"])  # type: ignore[attr-defined]
+    mc: dict[int, float] = res["memcpy"]  # type: ignore[assignment]
+    print(f"\n### {shape} bf16   memcpy: " + ", ".join(f"{t}t {v:.1f} GB/s" for t, v in mc.items()))
+    t1, tn = threads[0], threads[-1]
+    cols = [f"native {t1}t", f"native {tn}t", f"torch cast {t1}t", f"ml_dtypes cast {t1}t",
+            f"torchao eager {t1}t", f"torchao eager {tn}t"]  # fmt: skip
+    head = ["format", *[f"{c} GB/s" for c in cols]]
+    head += [f"native/memcpy {t1}t", f"native/memcpy {tn}t", f"native/torchao {t1}t",
+             f"native/torchao {tn}t"]  # fmt: skip
+    print("| " + " | ".join(head) + " |")
+    print("|" + " --- |" * len(head))
+    for label, row in res["formats"].items():  # type: ignore[attr-defined]
+        cells = [label] + [f"{row[c]:.2f}" if c in row else "-" for c in cols]
+        cells.append(f"{row[f'native {t1}t'] / mc[t1]:.2f}")
+        cells.append(f"{row[f'native {tn}t'] / mc[tn]:.2f}")
+        for t in (t1, tn):
+            ao = row.get(f"torchao eager {t}t")
+            cells.append(f"{row[f'native {t}t'] / ao:.0f}x" if ao else "-")
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--quick", action="store_true", help="4096x4096 only")
+    p.add_argument("--formats", nargs="*", default=[], help="format names (default: all)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="'all threads'")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved repeats (median kept)")
+    p.add_argument("--reference", action="store_true", help="also time the PyTorch reference")
+    p.add_argument("--json", default="", help="write the results here")
+    args = p.parse_args()
+    if args.quick:
+        args.shapes = ["4096x4096"]
+    if not mq.native_available():
+        raise SystemExit(f"miles_quant native extension missing: {mq.native_error()}")
+    load0 = os.getloadavg()
+    print(f"# miles-quant bandwidth, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+          f"load average at start {load0[0]:.2f}")  # fmt: skip
+    threads = sorted({1, args.threads})
+    results = []
+    for name in args.shapes:
+        res = run_shape(SHAPES[name], args)
+        print_table(res, threads)
+        results.append(res)
+    load1 = os.getloadavg()
+    print(f"\nload average at end {load1[0]:.2f} (1 min), {load1[1]:.2f} (5 min)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"load": [load0, load1], "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
