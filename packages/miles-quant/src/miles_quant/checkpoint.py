@@ -100,6 +100,21 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
     return cfg
 
 
+def _input_dim_first(cfg: dict[str, Any], name: str, ndim: int) -> bool:
+    """Whether ``name`` is stored [E, in, out] (x @ W) rather than [E, out, in] (F.linear).
+
+    gpt-oss keeps its fused experts that way in memory and in BF16 checkpoints, while its MXFP4
+    checkpoint quantizes along the input dim ([E, out, in / 32, 16] blocks): such parameters
+    are transposed before quantizing (every layout groups along the input dim) and back after
+    dequantizing.
+    """
+    return (
+        cfg.get("model_type") == "gpt_oss"
+        and ndim == 3
+        and name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    )
+
+
 def _config_dtype(cfg: dict[str, Any]) -> torch.dtype:
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
     return _DTYPES.get(str(name), torch.bfloat16)
@@ -175,11 +190,12 @@ def plan_export(
             if why is not None:
                 plan.kept[name] = why
                 continue
-            if shape[-1] % layout.k_multiple:
+            k = shape[-2] if _input_dim_first(cfg, name, len(shape)) else shape[-1]
+            if k % layout.k_multiple:
                 raise ValueError(
-                    f"{name} has shape {shape}: the {layout.description} layout needs the last "
-                    f"dim to be a multiple of {layout.k_multiple}; keep it in source precision "
-                    f"(keep_bf16=[{name!r}], CLI: --keep {name})"
+                    f"{name} has shape {shape}: the {layout.description} layout needs the "
+                    f"input dim ({k}) to be a multiple of {layout.k_multiple}; keep it in source "
+                    f"precision (keep_bf16=[{name!r}], CLI: --keep {name})"
                 )
             plan.quantized.append(name)
     if fmt == "nvfp4":
@@ -297,6 +313,8 @@ def export_checkpoint(
                 if len({t.dtype for t in tensors}) != 1:
                     raise ValueError(f"fusion group {members} mixes dtypes")
                 x = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+                if _input_dim_first(cfg, name, x.dim()):
+                    x = x.transpose(-1, -2)
                 q = quantize(
                     x,
                     fmt,
@@ -398,7 +416,13 @@ def iter_quantized(
                 continue
             parts = {n: reader.get(n) for n in stored_names(fmt, param) if n in reader}
             q = decode(fmt, param, parts, dtype, rule)
-            yield param, (q if dequantize_to is None else dequantize(q, dequantize_to))
+            if dequantize_to is None:
+                yield param, q
+                continue
+            w = dequantize(q, dequantize_to)
+            if _input_dim_first(cfg, param, w.dim()):
+                w = w.transpose(-1, -2).contiguous()
+            yield param, w
 
 
 def load_quantized(
