@@ -55,7 +55,7 @@ def sglang_layout(m: ModelShape, *, tp: int = 1, dp: int = 1, ep: int = 1) -> La
     replicas = max(1, tp // m.num_kv_heads)
     vocab_rows = _div(-(-m.vocab // 64) * 64, tp, "the vocabulary padded to a multiple of 64")
     if m.num_experts:
-        moe_tp = _div(tp, ep, "tp (ep must divide the TP group)")
+        moe_tp = _div(tp, ep, "tp (EP splits the TP group)")
         experts = _div(m.num_experts, ep, "num_experts (EP)")
         e_inter = _div(m.moe_intermediate, moe_tp, "moe_intermediate (MoE TP = tp / ep)")
     else:

@@ -17,11 +17,13 @@ __all__ = ["InProcessHub", "InProcessTransport"]
 
 
 class _Posted:
-    __slots__ = ("buf", "done", "error")
+    __slots__ = ("buf", "cancelled", "done", "error", "lock")
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf = buf
         self.done = threading.Event()
+        self.lock = threading.Lock()
+        self.cancelled = False  # the receiver gave up: a later send must not write here
         self.error: str | None = None
 
 
@@ -65,32 +67,41 @@ class InProcessTransport:
 
     def send(self, peer: int, buf: torch.Tensor) -> None:
         check_buffer(buf, cpu=False)
-        try:
-            post = self._hub.posted(self._rank, peer).get(timeout=self._hub.timeout)
-        except queue.Empty:
-            raise TransportError(
-                f"rank {peer} posted no receive for rank {self._rank} in time"
-            ) from None
-        if post.buf.numel() != buf.numel():
-            post.error = (
-                f"rank {self._rank} sent {buf.numel()} bytes, rank {peer} expected "
-                f"{post.buf.numel()}"
-            )
-            post.done.set()
-            raise TransportError(post.error)
-        post.buf.copy_(buf)
-        if buf.device.type == "cuda" or post.buf.device.type == "cuda":
-            torch.cuda.synchronize()
-        post.done.set()
+        q = self._hub.posted(self._rank, peer)
+        while True:
+            try:
+                post = q.get(timeout=self._hub.timeout)
+            except queue.Empty:
+                raise TransportError(
+                    f"rank {peer} posted no receive for rank {self._rank} in time"
+                ) from None
+            with post.lock:
+                if post.cancelled:
+                    continue
+                if post.buf.numel() != buf.numel():
+                    post.error = (
+                        f"rank {self._rank} sent {buf.numel()} bytes, rank {peer} expected "
+                        f"{post.buf.numel()}"
+                    )
+                    post.done.set()
+                    raise TransportError(post.error)
+                post.buf.copy_(buf)
+                if buf.device.type == "cuda" or post.buf.device.type == "cuda":
+                    torch.cuda.synchronize()
+                post.done.set()
+                return
 
     def recv(self, peer: int, buf: torch.Tensor) -> None:
         check_buffer(buf, cpu=False)
         post = _Posted(buf)
         self._hub.posted(peer, self._rank).put(post)
         if not post.done.wait(self._hub.timeout):
-            raise TransportError(
-                f"rank {self._rank}: nothing from rank {peer} within {self._hub.timeout} s"
-            )
+            with post.lock:
+                if not post.done.is_set():
+                    post.cancelled = True
+                    raise TransportError(
+                        f"rank {self._rank}: nothing from rank {peer} within {self._hub.timeout} s"
+                    )
         if post.error is not None:
             raise TransportError(post.error)
 
