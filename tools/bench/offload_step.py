@@ -1,0 +1,184 @@
+"""Optimizer step time and peak memory: AdamW state on NVMe vs in RAM vs the I/O bound.
+
+Why: NVMe offload trades optimizer-state memory for disk traffic. This script measures, on a
+1-2 GB AdamW state (fp32 master + exp_avg + exp_avg_sq, 12 bytes per parameter):
+
+- step time with ``offload="nvme"`` (state streamed through three bucket buffers), with
+  ``offload="cpu"`` (all state in RAM) and with ``torch.optim.AdamW(foreach=False)`` (the same
+  arithmetic on ordinary tensors);
+- the I/O bound of an NVMe step: bytes read / fio read GB/s + bytes written / fio write GB/s,
+  with fio running sequential O_DIRECT io_uring jobs of one bucket file's size, block size and
+  queue depth on the same disk, measured in the same run; the efficiency is bound / step time
+  (target >= 0.8);
+- peak resident optimizer memory: the pager's own accounting (bucket buffers in use at once)
+  and the process's peak RSS growth over the parameters and gradients (each mode runs in a
+  fresh subprocess, buffers pre-faulted).
+
+Laptop:   python tools/bench/offload_step.py                 # ~2 min: 90M params, 1.08 GB state
+          python tools/bench/offload_step.py --params-m 40 --bucket-mb 64 --steps 2
+Cluster:  python tools/bench/offload_step.py --dir /local_nvme/tmp --params-m 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_mode(args: argparse.Namespace) -> dict:
+    """One mode in this (fresh) process; returns timings and memory as a dict."""
+    import miles_offload as mo
+
+    torch.set_num_threads(args.threads)
+    n = int(args.params_m * 1e6)
+    sizes = [n // 8] * 7 + [n - 7 * (n // 8)]  # 8 parameters, several buckets each
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen).requires_grad_() for s in sizes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    base_rss = rss_bytes()
+    base_peak = peak_rss_bytes()
+    t0 = time.perf_counter()
+    if args.mode == "torch":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    else:
+        opt = mo.AdamW(
+            params,
+            lr=1e-4,
+            offload=args.mode,
+            path=args.path,
+            bucket_mb=args.bucket_mb,
+            queue_depth=args.depth,
+            block_size_kb=args.block_kb,
+            durable=True,
+        )
+    build_s = time.perf_counter() - t0
+    times = []
+    io0 = opt.io_stats() if isinstance(opt, mo.AdamW) else {}
+    for _ in range(args.steps + 1):  # the first step is a warm-up (torch allocates its state)
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    out = {
+        "mode": args.mode,
+        "build_s": build_s,
+        "step_s": statistics.median(times[1:]),
+        "steps_s": times[1:],
+        "rss_growth": rss_bytes() - base_rss,
+        "peak_rss_growth": max(0, peak_rss_bytes() - max(base_peak, base_rss)),
+    }
+    if isinstance(opt, mo.AdamW):
+        io1 = opt.io_stats()
+        steps = args.steps + 1
+        out.update(
+            state_bytes=opt.state_bytes,
+            num_buckets=opt.num_buckets,
+            resident_bytes=opt.resident_bytes,
+            peak_resident_bytes=opt.peak_resident_bytes,
+            bucket_bytes=max(b.nbytes for b in opt._buckets),
+        )
+        if io1:
+            out["read_per_step"] = (io1["bytes_read"] - io0["bytes_read"]) / steps
+            out["written_per_step"] = (io1["bytes_written"] - io0["bytes_written"]) / steps
+            out["backend"] = io1["backend"]
+        opt.close()
+    return out
+
+
+def fio_gbps(path: str, rw: str, size: int, args: argparse.Namespace) -> float:
+    cmd = [
+        "fio", "--name=peer", f"--filename={path}", f"--size={size}", f"--bs={args.block_kb}k",
+        f"--iodepth={args.depth}", "--direct=1", "--ioengine=io_uring", "--fixedbufs",
+        f"--rw={rw}", "--output-format=json",
+    ]  # fmt: skip
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    return out["jobs"][0][rw]["bw_bytes"] / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default=None, help="directory on the disk to test (default: TMPDIR)")
+    ap.add_argument("--params-m", type=float, default=90.0, help="parameters, in millions")
+    ap.add_argument("--bucket-mb", type=float, default=128.0)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--depth", type=int, default=32)
+    ap.add_argument("--block-kb", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the update")
+    ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # internal: one mode
+    ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.mode is not None:
+        print(json.dumps(run_mode(args)))
+        return
+    tmp = tempfile.mkdtemp(dir=args.dir, prefix="miles-offload-step-")
+    try:
+        res = {}
+        for mode in ("nvme", "cpu", "torch"):
+            cmd = [sys.executable, __file__, "--mode", mode, "--path", os.path.join(tmp, "s")]
+            for k in ("params_m", "bucket_mb", "steps", "depth", "block_kb", "threads"):
+                cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(proc.stderr)
+            res[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        nv = res["nvme"]
+        fio_file = os.path.join(tmp, "fio.bin")
+        size = nv["bucket_bytes"]
+        fio_w = statistics.median(fio_gbps(fio_file, "write", size, args) for _ in range(3))
+        fio_r = statistics.median(fio_gbps(fio_file, "read", size, args) for _ in range(3))
+        bound = nv["read_per_step"] / 1e9 / fio_r + nv["written_per_step"] / 1e9 / fio_w
+        gb = 1e9
+        print(
+            f"{args.params_m:g}M fp32 params, state {nv['state_bytes'] / gb:.2f} GB in "
+            f"{nv['num_buckets']} buckets of <= {nv['bucket_bytes'] / 2**20:.0f} MiB; torch "
+            f"threads {args.threads}; pager {nv['backend']}, depth {args.depth}, "
+            f"{args.block_kb} KiB blocks; median of {args.steps} steps after a warm-up"
+        )
+        print(
+            f"step  nvme {nv['step_s']:.2f} s  cpu (in RAM) {res['cpu']['step_s']:.2f} s  "
+            f"torch AdamW {res['torch']['step_s']:.2f} s"
+        )
+        print(
+            f"io    per step read {nv['read_per_step'] / gb:.2f} GB + written "
+            f"{nv['written_per_step'] / gb:.2f} GB; fio read {fio_r:.2f} GB/s, write "
+            f"{fio_w:.2f} GB/s -> I/O bound {bound:.2f} s; efficiency bound/nvme "
+            f"{bound / nv['step_s']:.2f}x; nvme/cpu {nv['step_s'] / res['cpu']['step_s']:.2f}x"
+        )
+        for mode in ("nvme", "cpu", "torch"):
+            r = res[mode]
+            acct = (
+                f"pager accounting: peak {r['peak_resident_bytes'] / gb:.3f} GB in use, "
+                f"{r['resident_bytes'] / gb:.3f} GB held"
+                if "resident_bytes" in r
+                else "no accounting"
+            )
+            print(
+                f"mem   {mode:5s} RSS growth over params+grads: peak "
+                f"{r['peak_rss_growth'] / gb:.3f} GB, after steps {r['rss_growth'] / gb:.3f} GB;"
+                f" {acct}"
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
