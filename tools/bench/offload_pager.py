@@ -1,10 +1,11 @@
 """Pager bandwidth: miles_offload.Pager vs fio running the same job on the same disk.
 
 Why: NVMe optimizer offload is only as fast as its pager. The peer is fio with the same file
-size, block size, queue depth, O_DIRECT, engine (io_uring) and registered buffers, reading and writing one file
-sequentially; the pager moves one pre-faulted, registered bucket-sized buffer per call, the way
-`miles_offload.AdamW` does. Runs alternate (fio, pager, fio, pager, ...) so that both see the
-same disk conditions; the report gives medians and the pager/fio ratio (target >= 0.9).
+size, block size, queue depth, O_DIRECT, engine (io_uring) and registered buffers, reading and
+writing one file sequentially; the pager moves one pre-faulted, registered bucket-sized buffer
+per call, the way `miles_offload.AdamW` does. Runs alternate (fio, pager, fio, pager, ...) so
+that both see the same disk conditions; the report gives medians and the pager/fio ratio
+(target >= 0.9).
 
 Laptop:   python tools/bench/offload_pager.py                       # ~1 min, 512 MiB file
           python tools/bench/offload_pager.py --size-mb 256 --depth 64 --block-kb 256
