@@ -7,9 +7,9 @@ io_uring-registered buffers: while ``fn`` updates bucket i, a reader thread load
 a writer thread stores bucket i-1, so at most three buckets are resident at any time.
 
 Crash safety: each bucket has two files (slots 0 and 1). A pass that writes buckets puts every
-bucket into the slot the committed manifest does not name, syncs the files, then atomically
-replaces ``manifest.json`` (write, fsync, rename, fsync the directory). A crash before the
-rename leaves the previous manifest and every file it names untouched.
+bucket into the slot the committed manifest does not name, syncs each file after writing it,
+then atomically replaces ``manifest.json`` (write, fsync, rename, fsync the directory). A crash
+before the rename leaves the previous manifest and every file it names untouched.
 """
 
 from __future__ import annotations
@@ -196,6 +196,8 @@ class NvmeStore:
         if os.fstat(fd).st_size != b.nbytes:
             os.ftruncate(fd, b.nbytes)
         self._writep.write(fd, 0, buf[: b.nbytes])
+        if self._durable:  # here, in the writer thread, it overlaps the next bucket's update
+            os.fdatasync(fd)
         if self._after_write is not None:
             self._after_write(i)
         return slot
@@ -293,9 +295,6 @@ class NvmeStore:
             self._commit(order, slots, generation)
 
     def _commit(self, order: list[int], slots: list[int], generation: int) -> None:
-        if self._durable:
-            for i, slot in zip(order, slots):
-                os.fdatasync(self._fds[(i, slot)])
         manifest = json.loads(json.dumps(self._manifest))
         manifest["generation"] = generation
         for i, slot in zip(order, slots):
