@@ -274,7 +274,7 @@ def encode_checkpoints(
                 (set(base.other_files) | set(base.files)) - set(other) - set(new.files)
             ),
         }
-        raw = json.dumps(manifest, indent=0, separators=(",", ":")).encode()
+        raw = json.dumps(manifest, separators=(",", ":")).encode()
         with (staging / MANIFEST).open("wb") as mf:
             mf.write(raw)
             mf.flush()
