@@ -322,6 +322,13 @@ class DeltaSubscriber:
         meta = self.publish_root / version_dir_name(v) / "version.json"
         return meta.is_file() and self._kind(v) == "full"
 
+    def prune(self) -> list[int]:
+        """Delete all but the ``keep`` newest local versions; return the versions deleted."""
+        gone = self._local_versions()[: -self.keep]
+        for old in gone:
+            shutil.rmtree(self.local_root / version_dir_name(old))
+        return gone
+
     def pull(self, version: int | None = None) -> PullReport:
         """Materialize the latest (or a given) published version locally.
 
@@ -372,8 +379,7 @@ class DeltaSubscriber:
             )
             changed.update(rep.changed)
             steps.append(f"delta {v}")
-        for old in self._local_versions()[: -self.keep]:
-            shutil.rmtree(self.local_root / version_dir_name(old))
+        self.prune()
         return PullReport(
             version=target,
             path=self.local_root / version_dir_name(target),
