@@ -11,6 +11,9 @@ that agree bit for bit. The contract: docs/contract.md in the package.
 
 Importing never initialises CUDA and never fails when the extension is missing (the PyTorch
 reference is used, with a one-time warning).
+
+Submodules: `miles_quant.checkpoint` (quantized HF checkpoints in the layouts engines load;
+needs safetensors) and `miles_quant.qat` (INT4 quantization-aware training).
 """
 
 from miles_quant._api import QuantizedTensor, dequantize, quantize
