@@ -242,7 +242,13 @@ Pager::Pager(const PagerOptions& options) : impl_(new Impl) {
   if (options.force_threads) {
     impl_->reason = "io_uring disabled by the caller";
   } else {
-    const int r = io_uring_queue_init(options.queue_depth, &impl_->ring, 0);
+    // COOP_TASKRUN (Linux 5.19+): completions are processed when the submitter enters the
+    // kernel anyway, without interrupting it; older kernels refuse the flag, so retry without.
+    int r = -EINVAL;
+#ifdef IORING_SETUP_COOP_TASKRUN
+    r = io_uring_queue_init(options.queue_depth, &impl_->ring, IORING_SETUP_COOP_TASKRUN);
+#endif
+    if (r == -EINVAL) r = io_uring_queue_init(options.queue_depth, &impl_->ring, 0);
     if (r == 0) {
       impl_->ring_ok = true;
       impl_->backend = Backend::io_uring;
