@@ -173,6 +173,14 @@ class _PayloadWriter:
         return ref
 
 
+def _cached_checksum(ckpt: CheckpointIndex, name: str, t: torch.Tensor | None) -> str:
+    """A tensor's checksum, computed once per checkpoint object (a publisher's snapshot is
+    hashed when it is new and reused when it becomes the next delta's base)."""
+    if name not in ckpt.checksums:
+        ckpt.checksums[name] = checksum(ckpt.read(name) if t is None else t)
+    return ckpt.checksums[name]
+
+
 def encode_checkpoints(
     base: CheckpointIndex,
     new: CheckpointIndex,
@@ -211,7 +219,7 @@ def encode_checkpoints(
                     spec: dict[str, Any] = {
                         "dtype": dtype_name(e.dtype),
                         "shape": list(e.shape),
-                        "checksum": checksum(nt),
+                        "checksum": _cached_checksum(new, e.name, nt),
                         "base_checksum": None,
                         "chunk_elems": chunk_elems,
                         "changed": 0,
@@ -219,7 +227,9 @@ def encode_checkpoints(
                     }
                     if be is not None and be.dtype == e.dtype and be.shape == e.shape:
                         bt = base.read(e.name)
-                        spec["base_checksum"] = base_sums[e.name] = checksum(bt)
+                        spec["base_checksum"] = base_sums[e.name] = _cached_checksum(
+                            base, e.name, bt
+                        )
                         bv, enc, op = int_view(bt), encoding, "patch"
                     else:
                         bv, enc, op = torch.zeros_like(nv), "overwrite", "new"
@@ -253,7 +263,7 @@ def encode_checkpoints(
             os.fsync(pf.fileno())
         for name in base.tensors:
             if name not in base_sums:
-                base_sums[name] = checksum(base.read(name))
+                base_sums[name] = _cached_checksum(base, name, None)
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,

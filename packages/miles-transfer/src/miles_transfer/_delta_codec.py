@@ -171,22 +171,42 @@ class ChunkPatch:
     raw_size: int
 
 
+def _changed(base: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions, xor values)`` of the elements whose bits differ.
+
+    Compares 8-byte words first (``ne`` and ``nonzero`` over a quarter of the bf16 elements),
+    then looks inside the few changed words: about 10x faster than ``nonzero`` over every
+    element at RL change rates. Falls back to the element-wise path for unaligned chunks.
+    """
+    w = base.element_size()
+    r = 8 // w
+    aligned = base.data_ptr() % 8 == 0 and new.data_ptr() % 8 == 0
+    if w > 8 or base.numel() % r or not aligned:
+        x = torch.bitwise_xor(base, new)
+        pos = torch.nonzero(x).squeeze(1)
+        return pos, x[pos]
+    b64, n64 = base.view(torch.int64), new.view(torch.int64)
+    words = torch.nonzero(torch.ne(b64, n64)).squeeze(1)
+    xw = torch.bitwise_xor(b64[words], n64[words]).view(base.dtype)
+    inner = torch.nonzero(xw).squeeze(1)  # index into the changed words' elements
+    return words[inner // r] * r + inner % r, xw[inner]
+
+
 def encode_chunk(
     index: int, base: torch.Tensor, new: torch.Tensor, encoding: Encoding
 ) -> ChunkPatch | None:
     """Encode one chunk (two 1-D integer views of equal dtype and length); None if unchanged."""
-    if torch.equal(base, new):
+    pos, xvals = _changed(base, new)
+    k, n = pos.numel(), base.numel()
+    if k == 0:
         return None
-    x = torch.bitwise_xor(base, new)
-    pos = torch.nonzero(x).squeeze(1)
-    k, n = pos.numel(), x.numel()
     if k <= n * SPARSE_MAX_FRACTION:
         gaps = torch.diff(pos, prepend=pos.new_zeros(1)).to(torch.int32)
-        values = (x if encoding == "xor" else new)[pos]
+        values = xvals if encoding == "xor" else new[pos]
         raw = torch.cat([_shuffle(gaps), _shuffle(values)])
         layout: Literal["sparse", "dense"] = "sparse"
     else:
-        raw = _shuffle(x if encoding == "xor" else new.contiguous())
+        raw = _shuffle(torch.bitwise_xor(base, new) if encoding == "xor" else new.contiguous())
         layout = "dense"
     return ChunkPatch(index, layout, k, compress(byte_view(raw)), raw.numel())
 

@@ -125,6 +125,7 @@ class CheckpointIndex:
         if not self.files:
             raise ValueError(f"{self.path}: no *.safetensors files in this directory")
         self._open: dict[Path, io.BufferedReader] = {}
+        self.checksums: dict[str, str] = {}  # filled by whoever hashes a tensor
 
     def read(self, name: str, *, writable: bool = False) -> torch.Tensor:
         """Read one tensor into fresh CPU memory (always writable here)."""
@@ -209,6 +210,7 @@ class MemoryCheckpoint(CheckpointIndex):
         }
         self.files = {file_name: list(self.tensors.values())}
         self._open = {}
+        self.checksums = {}
 
     def write(self, directory: Path) -> None:
         """Write the checkpoint (``model.safetensors`` and the other files) into a directory."""
