@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles_transfer._plan import CopyOp, TransferPlan
-from miles_transfer._reshard import Backend, copy_ops, pack, packed_bytes, unpack
+from miles_transfer._plan import TransferPlan
+from miles_transfer._reshard import Backend, CopyProgram, copy_ops
 from miles_transfer._transport import Transport
 
 __all__ = [
@@ -142,13 +142,14 @@ class ShardSender:
         per = {d: plan.buckets(rank, d, bucket_bytes) for d in targets}
         start = rank % len(targets) if targets else 0
         order = targets[start:] + targets[:start]
-        self.items: list[tuple[int, int, list[CopyOp]]] = [
-            (d, i, per[d][i])
+        # Each bucket compiled once: later steps only resolve base addresses.
+        self.items: list[tuple[int, int, CopyProgram]] = [
+            (d, i, CopyProgram(per[d][i], "pack"))
             for i in range(max((len(v) for v in per.values()), default=0))
             for d in order
             if i < len(per[d])
         ]
-        self._cap = max((packed_bytes(ops) for _, _, ops in self.items), default=0)
+        self._cap = max((prog.nbytes for _, _, prog in self.items), default=0)
         self._bufs: list[torch.Tensor] | None = None
 
     def send(self, shards: Mapping[str, torch.Tensor]) -> TransferReport:
@@ -184,12 +185,12 @@ class ShardSender:
         worker.start()
         total = 0
         try:
-            for d, i, ops in self.items:
+            for d, i, prog in self.items:
                 buf = free.get()
                 if errors:
                     break
                 t = time.perf_counter()
-                n = pack(ops, shards, buf, backend=self.backend, threads=self.threads)
+                n = prog.run(shards, buf, self.backend, self.threads)
                 if buf.device.type == "cuda":
                     torch.cuda.current_stream(buf.device).synchronize()
                 todo.put((d, i, buf, n, time.perf_counter() - t))
@@ -234,7 +235,10 @@ class ShardReceiver:
         self.plan, self.rank, self.transport = plan, rank, transport
         self.backend, self.threads, self.pin, self.depth = backend, threads, pin_memory, depth
         self._device = None if device is None else torch.device(device)
-        self.per_source = {s: plan.buckets(s, rank, bucket_bytes) for s in plan.sources_of(rank)}
+        self.per_source = {
+            s: [CopyProgram(ops, "unpack") for ops in plan.buckets(s, rank, bucket_bytes)]
+            for s in plan.sources_of(rank)
+        }
         self._bufs: dict[int, list[torch.Tensor]] | None = None
 
     def receive(self, buffers: Mapping[str, torch.Tensor]) -> TransferReport:
@@ -244,7 +248,7 @@ class ShardReceiver:
             dev = self._device or next(iter(buffers.values()), torch.empty(0)).device
             self._bufs = {
                 s: _staging(
-                    max((packed_bytes(o) for o in b), default=0),
+                    max((prog.nbytes for prog in b), default=0),
                     min(self.depth, len(b)),
                     dev,
                     self.pin,
@@ -263,11 +267,11 @@ class ShardReceiver:
 
         def pull(s: int) -> None:
             try:
-                for i, ops in enumerate(self.per_source[s]):
+                for i, prog in enumerate(self.per_source[s]):
                     buf = frees[s].get()
                     if stop.is_set():
                         return
-                    n = packed_bytes(ops)
+                    n = prog.nbytes
                     t = time.perf_counter()
                     self.transport.recv(src_peer(self.plan, s), buf[:n])
                     landed.put((s, i, buf, n, time.perf_counter() - t))
@@ -292,9 +296,7 @@ class ShardReceiver:
                 break
             s, i, buf, n, xfer = got
             t = time.perf_counter()
-            unpack(
-                self.per_source[s][i], buf[:n], buffers, backend=self.backend, threads=self.threads
-            )
+            self.per_source[s][i].run(buf[:n], buffers, self.backend, self.threads)
             if buf.device.type == "cuda":
                 torch.cuda.current_stream(buf.device).synchronize()
             timings.append(

@@ -36,13 +36,14 @@ def module_shards(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for n, t in module.state_dict().items():
         if _is_dtensor(t):
-            places = [type(p).__name__ + str(getattr(p, "dim", "")) for p in t.placements]  # type: ignore[attr-defined]
+            places = [type(p).__name__ + str(getattr(p, "dim", "")) for p in t.placements]
             if any(p not in ("Shard0", "Replicate") for p in places):
                 raise ValueError(
                     f"{_hf_name(n)!r} has placements {places}; module_shards handles FSDP2's "
-                    "Shard(0) (describe other layouts with Layout pieces and pass tensors yourself)"
+                    "Shard(0) only (describe other layouts with Layout pieces and pass the local "
+                    "tensors yourself)"
                 )
-            t = t.to_local()  # type: ignore[attr-defined]
+            t = t.to_local()
         out[_hf_name(n)] = t.detach().contiguous()
     return out
 

@@ -30,11 +30,12 @@ from miles_transfer._plan import CopyOp, Strided
 
 __all__ = [
     "Backend",
+    "CopyProgram",
     "copy_ops",
-    "reshard_native_available",
-    "reshard_native_error",
     "pack",
     "packed_bytes",
+    "reshard_native_available",
+    "reshard_native_error",
     "unpack",
 ]
 
@@ -84,21 +85,6 @@ def _bytes_of(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _check(
-    t: torch.Tensor | None, name: str, shape: tuple[int, ...], itemsize: int, side: str
-) -> torch.Tensor:
-    if t is None:
-        raise ValueError(
-            f"no {side} tensor named {name!r}; pass every local tensor of the rank's layout"
-        )
-    if tuple(t.shape) != shape or t.element_size() != itemsize:
-        raise ValueError(
-            f"{side} tensor {name!r} is {t.dtype}{list(t.shape)}, but the plan expects shape "
-            f"{list(shape)} with {itemsize}-byte elements; allocate it from the layout"
-        )
-    return t
-
-
 def _resolve(backend: Backend, device: torch.device) -> str:
     global _warned
     if backend not in ("auto", "native", "torch"):
@@ -128,12 +114,6 @@ def _resolve(backend: Backend, device: torch.device) -> str:
     return "native"
 
 
-# A job: (source bytes, source offset, shape, source strides, dest bytes, dest offset, strides).
-_Job = tuple[
-    torch.Tensor, int, tuple[int, ...], tuple[int, ...], torch.Tensor, int, tuple[int, ...]
-]
-
-
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, acc = [], 1
     for n in reversed(shape):
@@ -142,45 +122,153 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _in_bounds(
-    buf: torch.Tensor, off: int, shape: tuple[int, ...], strides: tuple[int, ...]
-) -> bool:
+_BUF = ""  # the name standing for the packed buffer in a program
+
+
+class CopyProgram:
+    """Ops compiled once into a descriptor table; `run` only resolves base addresses.
+
+    `mode` is "direct" (local tensor -> local tensor), "pack" (local tensors -> buffer) or
+    "unpack" (buffer -> local tensors). Tensor names are checked against the expected shapes
+    and element sizes once per call, not per op; every box lies inside its tensor by
+    construction (asserted here), so no per-op bounds checks are needed at run time.
+    """
+
+    def __init__(self, ops: Sequence[CopyOp], mode: str) -> None:
+        assert mode in ("direct", "pack", "unpack"), mode
+        self.mode, self.nbytes = mode, packed_bytes(ops)
+        src_names: dict[str, tuple[tuple[int, ...], int]] = {}
+        dst_names: dict[str, tuple[tuple[int, ...], int]] = {}
+        self.jobs: list[
+            tuple[str, int, tuple[int, ...], tuple[int, ...], str, int, tuple[int, ...]]
+        ]
+        self.jobs = []
+        at = 0
+        for op in ops:
+            st = _strided(op)
+            if len(st.shape) > _MAX_DIMS:
+                raise ValueError(
+                    f"a copy box of {op.name!r} has {len(st.shape)} dims after merging; at most "
+                    f"{_MAX_DIMS} are supported"
+                )
+            src = (op.src_name, st.src_offset, st.src_strides)
+            dst = (op.dst_name, st.dst_offset, st.dst_strides)
+            if mode == "pack":
+                dst = (_BUF, at, _contiguous_strides(st.shape))
+            elif mode == "unpack":
+                src = (_BUF, at, _contiguous_strides(st.shape))
+            if src[0]:
+                _expect(src_names, op.src_name, op.src_shape, op.itemsize)
+                assert _extent(st.src_offset, st.shape, st.src_strides) <= _nbytes(
+                    op.src_shape, op.itemsize
+                )
+            if dst[0]:
+                _expect(dst_names, op.dst_name, op.dst_shape, op.itemsize)
+                assert _extent(st.dst_offset, st.shape, st.dst_strides) <= _nbytes(
+                    op.dst_shape, op.itemsize
+                )
+            self.jobs.append((src[0], src[1], st.shape, src[2], dst[0], dst[1], dst[2]))
+            at += st.nbytes
+        self.src_names, self.dst_names = src_names, dst_names
+        s_index = {n: i for i, n in enumerate(src_names)}
+        d_index = {n: i for i, n in enumerate(dst_names)}
+        width = 3 + 3 * _MAX_DIMS
+        rows = []
+        for _, so, shape, ss, _, do, ds in self.jobs:
+            pad = (0,) * (_MAX_DIMS - len(shape))
+            rows.append((so, do, len(shape), *shape, *pad, *ss, *pad, *ds, *pad))
+        self.table = torch.tensor(rows, dtype=torch.int64).reshape(-1, width)
+        self.src_idx = torch.tensor([s_index.get(j[0], 0) for j in self.jobs], dtype=torch.int64)
+        self.dst_idx = torch.tensor([d_index.get(j[4], 0) for j in self.jobs], dtype=torch.int64)
+
+    def run(
+        self,
+        srcs: Mapping[str, torch.Tensor] | torch.Tensor,
+        dsts: Mapping[str, torch.Tensor] | torch.Tensor,
+        backend: Backend,
+        threads: int | None,
+    ) -> int:
+        src_t = _resolve_side(srcs, self.src_names, "source", self.nbytes, self.mode == "unpack")
+        dst_t = _resolve_side(dsts, self.dst_names, "destination", self.nbytes, self.mode == "pack")
+        if not self.jobs:
+            return 0
+        device = next(iter(src_t.values())).device
+        for t in (*src_t.values(), *dst_t.values()):
+            if t.device != device:
+                raise ValueError(
+                    f"all tensors of one copy must be on one device, got {device} and {t.device}"
+                )
+        if _resolve(backend, device) == "torch":
+            for sn, so, shape, ss, dn, do, ds in self.jobs:
+                dst_t[dn].as_strided(shape, ds, do).copy_(src_t[sn].as_strided(shape, ss, so))
+            return self.nbytes
+        assert _ext is not None
+        sp = torch.tensor([t.data_ptr() for t in src_t.values()], dtype=torch.int64)
+        dp = torch.tensor([t.data_ptr() for t in dst_t.values()], dtype=torch.int64)
+        desc = self.table.clone()
+        desc[:, 0] += sp[self.src_idx]
+        desc[:, 1] += dp[self.dst_idx]
+        _ext.copy(desc, torch.get_num_threads() if threads is None else int(threads))
+        return self.nbytes
+
+
+def _nbytes(shape: tuple[int, ...], itemsize: int) -> int:
+    n = itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
+def _extent(off: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
     if any(n == 0 for n in shape):
-        return True
-    last = off + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
-    return off >= 0 and last < buf.numel()
+        return 0
+    return off + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
 
 
-def _run(jobs: list[_Job], backend: Backend, threads: int | None) -> None:
-    if not jobs:
-        return
-    device = jobs[0][0].device
-    for j in jobs:
-        if j[0].device != device or j[4].device != device:
+def _expect(
+    names: dict[str, tuple[tuple[int, ...], int]], name: str, shape: tuple[int, ...], size: int
+) -> None:
+    got = names.setdefault(name, (shape, size))
+    assert got == (shape, size), f"the plan disagrees with itself about {name!r}"
+
+
+def _resolve_side(
+    given: Mapping[str, torch.Tensor] | torch.Tensor,
+    names: Mapping[str, tuple[tuple[int, ...], int]],
+    side: str,
+    nbytes: int,
+    is_buffer: bool,
+) -> dict[str, torch.Tensor]:
+    """Byte views of the named tensors (or of the buffer), checked against the plan."""
+    if is_buffer:
+        assert isinstance(given, torch.Tensor)
+        what = "unpack: buf" if side == "source" else "pack: out"
+        if given.dtype != torch.uint8 or given.dim() != 1 or not given.is_contiguous():
             raise ValueError(
-                "all tensors of one copy must be on one device, got "
-                f"{j[0].device} and {j[4].device}"
+                f"{what} must be a contiguous 1-D uint8 tensor, got "
+                f"{given.dtype}{list(given.shape)}"
             )
-        assert _in_bounds(j[0], j[1], j[2], j[3]), "source box out of bounds"
-        assert _in_bounds(j[4], j[5], j[2], j[6]), "destination box out of bounds"
-    if _resolve(backend, device) == "torch":
-        for src, so, shape, ss, dst, do, ds in jobs:
-            dst.as_strided(shape, ds, do).copy_(src.as_strided(shape, ss, so))
-        return
-    assert _ext is not None
-    width = 3 + 3 * _MAX_DIMS
-    desc = torch.zeros((len(jobs), width), dtype=torch.int64)
-    rows = []
-    for src, so, shape, ss, dst, do, ds in jobs:
-        if len(shape) > _MAX_DIMS:
+        if given.numel() < nbytes:
             raise ValueError(
-                f"a copy box has {len(shape)} dims after merging; at most {_MAX_DIMS} are supported"
+                f"{what} holds {given.numel()} bytes but the ops need {nbytes}; allocate "
+                "packed_bytes(ops)"
             )
-        pad = (0,) * (_MAX_DIMS - len(shape))
-        rows.append((src.data_ptr() + so, dst.data_ptr() + do, len(shape), *shape, *pad,
-                     *ss, *pad, *ds, *pad))  # fmt: skip
-    desc.copy_(torch.tensor(rows, dtype=torch.int64))
-    _ext.copy(desc, torch.get_num_threads() if threads is None else int(threads))
+        return {_BUF: given}
+    assert not isinstance(given, torch.Tensor)
+    out: dict[str, torch.Tensor] = {}
+    for name, (shape, itemsize) in names.items():
+        t = given.get(name)
+        if t is None:
+            raise ValueError(
+                f"no {side} tensor named {name!r}; pass every local tensor of the rank's layout"
+            )
+        if tuple(t.shape) != shape or t.element_size() != itemsize:
+            raise ValueError(
+                f"{side} tensor {name!r} is {t.dtype}{list(t.shape)}, but the plan expects shape "
+                f"{list(shape)} with {itemsize}-byte elements; allocate it from the layout"
+            )
+        out[name] = _bytes_of(t, name)
+    return out
 
 
 def copy_ops(
@@ -203,26 +291,7 @@ def copy_ops(
         ValueError: a local tensor is missing, has the wrong shape or element size, or is not
             contiguous.
     """
-    jobs: list[_Job] = []
-    for op in ops:
-        s = _check(srcs.get(op.src_name), op.src_name, op.src_shape, op.itemsize, "source")
-        d = _check(dsts.get(op.dst_name), op.dst_name, op.dst_shape, op.itemsize, "destination")
-        st = _strided(op)
-        jobs.append((_bytes_of(s, op.src_name), st.src_offset, st.shape, st.src_strides,
-                     _bytes_of(d, op.dst_name), st.dst_offset, st.dst_strides))  # fmt: skip
-    _run(jobs, backend, threads)
-
-
-def _buffer(buf: torch.Tensor, need: int, what: str) -> torch.Tensor:
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-        raise ValueError(
-            f"{what} must be a contiguous 1-D uint8 tensor, got {buf.dtype}{list(buf.shape)}"
-        )
-    if buf.numel() < need:
-        raise ValueError(
-            f"{what} holds {buf.numel()} bytes but the ops need {need}; allocate packed_bytes(ops)"
-        )
-    return buf
+    CopyProgram(ops, "direct").run(srcs, dsts, backend, threads)
 
 
 def pack(
@@ -234,17 +303,7 @@ def pack(
     threads: int | None = None,
 ) -> int:
     """Gather the ops' boxes from `srcs` into `out` back to back; returns the bytes written."""
-    out = _buffer(out, packed_bytes(ops), "pack: out")
-    jobs: list[_Job] = []
-    at = 0
-    for op in ops:
-        s = _check(srcs.get(op.src_name), op.src_name, op.src_shape, op.itemsize, "source")
-        st = _strided(op)
-        jobs.append((_bytes_of(s, op.src_name), st.src_offset, st.shape, st.src_strides,
-                     out, at, _contiguous_strides(st.shape)))  # fmt: skip
-        at += st.nbytes
-    _run(jobs, backend, threads)
-    return at
+    return CopyProgram(ops, "pack").run(srcs, out, backend, threads)
 
 
 def unpack(
@@ -256,14 +315,4 @@ def unpack(
     threads: int | None = None,
 ) -> int:
     """Scatter a buffer written by `pack(ops, ...)` into `dsts`; returns the bytes read."""
-    buf = _buffer(buf, packed_bytes(ops), "unpack: buf")
-    jobs: list[_Job] = []
-    at = 0
-    for op in ops:
-        d = _check(dsts.get(op.dst_name), op.dst_name, op.dst_shape, op.itemsize, "destination")
-        st = _strided(op)
-        jobs.append((buf, at, st.shape, _contiguous_strides(st.shape),
-                     _bytes_of(d, op.dst_name), st.dst_offset, st.dst_strides))  # fmt: skip
-        at += st.nbytes
-    _run(jobs, backend, threads)
-    return at
+    return CopyProgram(ops, "unpack").run(buf, dsts, backend, threads)
