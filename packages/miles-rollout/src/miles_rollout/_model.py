@@ -113,16 +113,42 @@ class _Layer:
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same op order and precision as transformers' RMSNorm (float32, then back). In float32,
-    # torch's fused rms_norm gives the same bits, about twice as fast.
-    if x.dtype == torch.float32:
-        if w.dim() == 1:
-            return F.rms_norm(x, (x.shape[-1],), w, eps)
-        return w * F.rms_norm(x, (x.shape[-1],), None, eps)
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(dtype)
+    # The bits of transformers' RMSNorm: normalise in float32, cast back, times the weight.
+    # torch's fused rms_norm gives those bits: in float32 with the weight fused, in bf16/fp16
+    # without it (it normalises in float32 and rounds once; the weight product must then be
+    # a separate low-precision multiply, as in transformers). 2-7x fewer passes over x.
+    if x.dtype == torch.float32 and w.dim() == 1:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return w * F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+def _eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, hidden: torch.Tensor
+) -> torch.Tensor:
+    """transformers' eager attention maths: ``softmax_fp32((q @ k^T) * scale) @ v``.
+
+    Scores are computed and rounded in the compute dtype, softmax runs in float32 and its
+    output is cast back, exactly as ``eager_attention_forward`` does and as the trainer does
+    for bf16 on CPU. Shapes: ``q [B, KV, Q, D]``, ``k``/``v`` ``[B, KV, T, D]``, ``hidden``
+    broadcastable to ``[B, KV, Q, T]`` (True = masked out); returns ``[B, KV, Q, D]``.
+    """
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    s = s.masked_fill(hidden, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _eager_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal `_eager_attention` over ``q [m, H, W, D]``, ``k``/``v`` ``[m, KV, W, D]``."""
+    m, nh, width, hd = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    future = torch.ones(width, width, dtype=torch.bool).triu_(1)  # [W, W]
+    # Head h reads kv head h // g: stack each group's g heads along the query axis.
+    q_grouped = q.reshape(m, nkv, g, width, hd)
+    o = _eager_attention(q_grouped, k[:, :, None], v[:, :, None], scale, future)
+    return o.reshape(m, nh, width, hd)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -144,6 +170,9 @@ class CausalLMRunner:
         cfg = model.config
         self.model = model
         self.dtype: torch.dtype = next(model.parameters()).dtype
+        # Low precision: transformers' eager attention maths (the trainer's for bf16 on CPU),
+        # so that rollout and training compute the same logprobs; float32 keeps SDPA.
+        self._eager_attention = self.dtype != torch.float32
         self.max_batch = max_batch
         self.context_length = context_length
         self.num_heads: int = cfg.num_attention_heads
@@ -256,9 +285,12 @@ class CausalLMRunner:
             v = v.transpose(1, 2)
             self._k[li][rows, :, :width] = k
             self._v[li][rows, :, :width] = v
-            o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale, enable_gqa=nh != nkv
-            )
+            if self._eager_attention:
+                o = _eager_prefill_attention(q, k, v, self.scale)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.scale, enable_gqa=nh != nkv
+                )
             o = o.transpose(1, 2).reshape(m, width, self._q_size)
             x = x + F.linear(o, layer.o, layer.bo)
             x = x + self._mlp(x, layer)
@@ -281,6 +313,7 @@ class CausalLMRunner:
         cos = self._cos[positions][:, None, :]  # [n, 1, D]
         sin = self._sin[positions][:, None, :]
         mask = (torch.arange(max_len)[None, :] <= positions[:, None])[:, None, None, :]
+        hidden_BKQT = ~mask  # [n, 1, 1, T]: cache positions past each row's length
         # Flat row index of (request, kv head, position) in a [B * KV * T, D] view of the cache:
         # one index_copy_ per layer writes the new keys (and values) of every request.
         slot = torch.arange(n)[:, None] * nkv + torch.arange(nkv)[None, :]
@@ -297,13 +330,12 @@ class CausalLMRunner:
             vc.view(-1, hd).index_copy_(0, flat, qkv[:, qk_size:].reshape(-1, hd))
             # Grouped-query attention without copies: the G query heads that share a kv head
             # act as G query positions against it (no causal mask among them).
-            o = F.scaled_dot_product_attention(
-                qk[:, :nh].reshape(n, nkv, nh // nkv, hd),
-                kc[:n, :, :max_len],
-                vc[:n, :, :max_len],
-                attn_mask=mask,
-                scale=self.scale,
-            )
+            q = qk[:, :nh].reshape(n, nkv, nh // nkv, hd)
+            k, v = kc[:n, :, :max_len], vc[:n, :, :max_len]
+            if self._eager_attention:
+                o = _eager_attention(q, k, v, self.scale, hidden_BKQT)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             x = x + F.linear(o.reshape(n, self._q_size), layer.o, layer.bo)
             x = x + self._mlp(x, layer)
         return self._logits(x)
