@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _checkpoint_testlib import build, qwen3_config, read_all, save
+from _checkpoint_testlib import build, qwen3_config, qwen3_moe_config, read_all, save
 from _quant_testlib import same_bits
 
 import miles_quant as mq
@@ -234,3 +234,73 @@ def test_sharded_output_and_input(src: Path, tmp_path: Path) -> None:
             assert isinstance(r, mq.QuantizedTensor)
             assert same_bits(q.data, r.data)
             assert same_bits(q.scales, r.scales)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4_g128", "fp8_block128"])
+def test_moe_export_has_the_bits_of_quantize(fmt: str, tmp_path: Path) -> None:
+    src = save(build(qwen3_moe_config()), tmp_path / "moe")
+    out = tmp_path / fmt
+    plan = export_checkpoint(src, out, fmt)
+    source = read_all(src)
+    got = load_quantized(out, dequantize=False)
+    expert = "model.layers.1.mlp.experts.3"
+    gate, up = f"{expert}.gate_proj.weight", f"{expert}.up_proj.weight"
+    assert gate in plan.quantized
+    assert up in plan.quantized
+    if fmt == "nvfp4":  # gate/up of one expert share a global scale
+        assert [gate, up] in plan.fused
+        want = mq.quantize(torch.cat([source[gate], source[up]]), fmt)
+        rows = source[gate].shape[0]
+        q = got[up]
+        assert isinstance(q, mq.QuantizedTensor)
+        assert same_bits(q.data, want.data[rows:])
+        assert same_bits(q.scales, want.scales[rows:])
+        assert want.global_scale is not None
+        assert q.global_scale is not None
+        assert same_bits(q.global_scale, want.global_scale)
+    in_groups = {m for g in plan.fused for m in g}
+    for name in plan.quantized:
+        if name in in_groups:
+            continue
+        q = got[name]
+        assert isinstance(q, mq.QuantizedTensor)
+        want = mq.quantize(source[name], fmt)
+        assert same_bits(q.data, want.data), name
+        assert same_bits(q.scales, want.scales), name
+    assert plan.kept["model.layers.0.mlp.gate.weight"] == "always kept"
+
+
+def test_streams_tensor_by_tensor(
+    src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory stays at one shard plus the tensor in hand: every source tensor is read once and
+    dropped (no list of them is kept), and each shard is flushed once it reaches the limit."""
+    import weakref
+
+    from miles_quant import _checkpoint_io
+
+    alive: list[weakref.ref[torch.Tensor]] = []
+    peak = 0
+    shards: list[tuple[int, int]] = []  # (bytes, tensors) per flushed shard
+    get, flush = _checkpoint_io.TensorReader.get, _checkpoint_io.ShardWriter._flush
+
+    def counting_get(self: _checkpoint_io.TensorReader, name: str) -> torch.Tensor:
+        nonlocal peak
+        t = get(self, name)
+        alive.append(weakref.ref(t))
+        peak = max(peak, sum(r() is not None for r in alive))
+        return t
+
+    def recording_flush(self: _checkpoint_io.ShardWriter) -> None:
+        if self._pending:
+            shards.append((self._pending_bytes, len(self._pending)))
+        flush(self)
+
+    monkeypatch.setattr(_checkpoint_io.TensorReader, "get", counting_get)
+    monkeypatch.setattr(_checkpoint_io.ShardWriter, "_flush", recording_flush)
+    limit = 30_000
+    export_checkpoint(src, tmp_path / "out", "int4_g32", max_shard_bytes=limit)
+    assert len(alive) == len(read_all(src)) == 36  # every tensor read exactly once
+    assert peak <= 3, f"{peak} source tensors alive at once"
+    assert len(shards) > 5
+    assert all(nbytes <= limit or count == 1 for nbytes, count in shards)
