@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -c constraints.txt
-PACKAGES := packages/miles-transfer packages/miles-rollout packages/miles-trainer packages/miles-quant
+PACKAGES := packages/miles-transfer packages/miles-rollout packages/miles-trainer packages/miles-quant packages/miles-offload
 STAMP := $(VENV)/.miles-setup
 # miles-quant's C++ extension (native/quant) is compiled by its editable install: rebuild it when
 # the C++ sources change. A C++17 compiler is needed; CMake and Ninja come from PyPI if missing.
@@ -14,15 +14,22 @@ QUANT_SOURCES := packages/miles-quant/CMakeLists.txt $(shell find native/quant -
 # miles-transfer's optional re-sharding extension (native/transfer), likewise.
 TRANSFER_NATIVE := $(VENV)/.miles-transfer-native
 TRANSFER_SOURCES := packages/miles-transfer/CMakeLists.txt $(shell find native/transfer -type f ! -name BUILD 2>/dev/null)
+# miles-offload's pager (native/offload), likewise; liburing-dev gives it io_uring (without it the
+# pager is built with its pread/pwrite thread pool only), fio is the benchmarks' peer.
+OFFLOAD_NATIVE := $(VENV)/.miles-offload-native
+OFFLOAD_SOURCES := packages/miles-offload/CMakeLists.txt $(shell find native/offload -type f ! -name BUILD 2>/dev/null)
 
 .PHONY: setup demo test lint typecheck pytest pants-test pants-packages clean
 
-setup: $(STAMP) $(QUANT_NATIVE) $(TRANSFER_NATIVE)
+setup: $(STAMP) $(QUANT_NATIVE) $(TRANSFER_NATIVE) $(OFFLOAD_NATIVE)
 
 $(STAMP): constraints.txt requirements-dev.txt $(foreach p,$(PACKAGES) packages/miles,$(p)/pyproject.toml)
 	@command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || { \
 	  echo "miles-quant needs a C++ compiler: apt-get install g++"; \
 	  apt-get update -qq && apt-get install -y -qq g++; }
+	@[ -f /usr/include/liburing.h ] && command -v fio >/dev/null 2>&1 || { \
+	  echo "miles-offload wants liburing-dev (io_uring) and fio (benchmarks): apt-get install"; \
+	  apt-get update -qq && apt-get install -y -qq liburing-dev fio || true; }
 	$(PY) -m venv $(VENV)
 	$(PIP) -q torch==2.13.0
 	$(PIP) -q $(foreach p,$(PACKAGES),-e $(p)) -e 'packages/miles[all]' -r requirements-dev.txt
@@ -40,6 +47,12 @@ $(TRANSFER_NATIVE): $(TRANSFER_SOURCES) | $(STAMP)
 	  echo "$(PIP) -q --no-deps -e packages/miles-transfer"; \
 	  $(PIP) -q --no-deps -e packages/miles-transfer; fi
 	touch $(TRANSFER_NATIVE)
+
+$(OFFLOAD_NATIVE): $(OFFLOAD_SOURCES) | $(STAMP)
+	@if [ -n "$$(find $(OFFLOAD_SOURCES) -newer $(STAMP) 2>/dev/null)" ]; then \
+	  echo "$(PIP) -q --no-deps -e packages/miles-offload"; \
+	  $(PIP) -q --no-deps -e packages/miles-offload; fi
+	touch $(OFFLOAD_NATIVE)
 
 demo: setup
 	$(BIN)/python tools/make_tiny_model.py

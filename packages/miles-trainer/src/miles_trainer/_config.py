@@ -5,11 +5,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["DTYPES", "KL_TYPES", "LOSS_AGG_MODES", "LossConfig", "QATConfig", "TrainerConfig"]
+__all__ = [
+    "DTYPES",
+    "KL_TYPES",
+    "LOSS_AGG_MODES",
+    "OFFLOAD_MODES",
+    "LossConfig",
+    "QATConfig",
+    "TrainerConfig",
+]
 
 KL_TYPES = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 DTYPES = ("float32", "bfloat16", "float16")
+OFFLOAD_MODES = ("none", "cpu", "nvme")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -126,6 +135,14 @@ class TrainerConfig:
         seed: torch RNG seed set at construction.
         ref_model_path: reference model directory for the KL term; None means ``model_path``.
             Only loaded when ``loss.kl_coef > 0``.
+        offload: where the AdamW state (fp32 master weights and moments) lives: "none" (torch
+            AdamW, state beside the parameters), "cpu" (CPU memory) or "nvme" (per-bucket files
+            under ``offload_path``, streamed three buckets at a time). "cpu" and "nvme" need
+            the miles-offload package (``pip install miles-trainer[offload]``) and give the
+            same parameters as "none", bit for bit.
+        offload_path: directory for "nvme" state on node-local disk; rank r uses
+            ``<offload_path>/rank<r>``. Required with "nvme".
+        offload_bucket_mb: optimizer state per bucket in MiB (master + moments). > 0.
         qat: INT4 quantization-aware training of the policy (not the reference model); None
             trains in plain precision. Needs miles-quant (``pip install 'miles-trainer[quant]'``).
     """
@@ -143,6 +160,9 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     seed: int = 0
     ref_model_path: str | None = None
+    offload: str = "none"
+    offload_path: str | None = None
+    offload_bucket_mb: float = 256.0
     qat: QATConfig | None = None
 
     def __post_init__(self) -> None:
@@ -172,4 +192,16 @@ class TrainerConfig:
             raise ValueError(
                 f"TrainerConfig.temperature must be finite and > 0 (score a greedy rollout at "
                 f"1.0), got {self.temperature}"
+            )
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(
+                f"TrainerConfig.offload must be one of {OFFLOAD_MODES}, got {self.offload!r}"
+            )
+        if self.offload == "nvme" and not self.offload_path:
+            raise ValueError(
+                'TrainerConfig.offload = "nvme" needs offload_path (a directory on node-local disk)'
+            )
+        if not self.offload_bucket_mb > 0:
+            raise ValueError(
+                f"TrainerConfig.offload_bucket_mb must be > 0, got {self.offload_bucket_mb}"
             )

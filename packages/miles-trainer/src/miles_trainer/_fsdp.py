@@ -23,6 +23,7 @@ from miles_trainer._checkpoint import broadcast_ok, gather_full_state_dict, writ
 from miles_trainer._config import TrainerConfig
 from miles_trainer._logprobs import response_logprobs
 from miles_trainer._losses import policy_loss
+from miles_trainer._optim import build_offload_optimizer
 from miles_trainer._parallelize import (
     MixedPrecisionCopy,
     apply_fsdp,
@@ -129,7 +130,7 @@ class FSDPTrainer:
         self._vocab_size = int(embeddings.num_embeddings)
         # foreach: one op per tensor list instead of per tensor; on plain tensors and on
         # DTensors (CPU gloo included) it gives the same bits as the per-tensor loop.
-        self._optimizer = torch.optim.AdamW(
+        self._optimizer: torch.optim.Optimizer = torch.optim.AdamW(
             self._model.parameters(),
             lr=config.lr,
             betas=config.betas,
@@ -138,6 +139,8 @@ class FSDPTrainer:
             foreach=True,
             fused=False,
         )
+        if config.offload != "none":  # the same update with the state in CPU memory or on NVMe
+            self._optimizer = build_offload_optimizer(self._model.parameters(), config, self._rank)
 
     # ------------------------------------------------------------------ properties
 
