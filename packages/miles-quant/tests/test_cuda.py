@@ -1,10 +1,15 @@
-"""The CUDA kernels (native/quant/cuda): compiled with nvcc wherever it exists; run against the
-reference only on a GPU (marked `gpu`), in a build with -Ccmake.define.MILES_QUANT_CUDA=ON."""
+"""The CUDA kernels (native/quant/cuda): compiled with nvcc wherever it exists (the kernels
+alone, and the whole package with MILES_QUANT_CUDA=ON); run against the reference only on a GPU
+(marked `gpu`), in a build with -Ccmake.define.MILES_QUANT_CUDA=ON. On a lent GPU machine,
+tools/gpu_checks/quant_cuda_check.sh does that build and runs these tests."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +22,10 @@ NATIVE = Path(__file__).resolve().parents[3] / "native" / "quant"
 CASES = format_cases()
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+NO_NVCC = "nvcc not on PATH: the CUDA kernels are compiled only where the CUDA toolkit is installed"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason=NO_NVCC)
 def test_cuda_kernels_compile_with_the_contract_flags(tmp_path: Path) -> None:
     src = NATIVE / "cuda" / "quantize.cu"
     assert src.exists(), src
@@ -31,6 +39,38 @@ def test_cuda_kernels_compile_with_the_contract_flags(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "quantize.o").stat().st_size > 0
+
+
+@pytest.mark.slow  # 40-70 s: the whole package with the CUDA kernels for sm_90 and sm_100
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason=NO_NVCC)
+def test_package_builds_with_the_cuda_kernels(tmp_path: Path) -> None:
+    # What `pip install packages/miles-quant -Ccmake.define.MILES_QUANT_CUDA=ON` builds: the
+    # CMake CUDA setup, the kernels, the nanobind binding and the link against cudart.
+    pkg = Path(__file__).resolve().parents[1]
+    r = subprocess.run(
+        [
+            sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+            f"-Cbuild-dir={tmp_path / 'b'}",
+            "-Ccmake.define.MILES_QUANT_CUDA=ON", "-Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90;100",
+            "-w", str(tmp_path / "w"), str(pkg),
+        ],
+        capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    (wheel,) = (tmp_path / "w").glob("miles_quant-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        (cuda_so,) = [n for n in names if n.startswith("miles_quant/_ext_cuda.")]
+        assert [n for n in names if n.startswith("miles_quant/_ext.")]
+        z.extract(cuda_so, tmp_path / "x")
+    # The module loads without a GPU or driver (CUDA is touched only when a kernel runs).
+    spec = importlib.util.spec_from_file_location("miles_quant._ext_cuda", tmp_path / "x" / cuda_so)
+    assert spec is not None
+    assert spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for op in ("quantize_fp8", "quantize_mx", "quantize_nvfp4", "quantize_int4"):
+        assert callable(getattr(mod, op))
 
 
 @pytest.mark.gpu

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# miles-quant on a GPU: build the CUDA kernels (native/quant/cuda) into the package and run the
+# gpu-marked tests (CUDA kernels == the PyTorch reference, bit for bit, on every format).
+#
+# Why: the CPU machines only compile the CUDA code (tests/test_cuda.py); this is the check that
+# runs it. One short script, < 5 minutes: a venv on top of the machine's CUDA torch, one build
+# with -Ccmake.define.MILES_QUANT_CUDA=ON for the GPU's own architecture, the gpu tests.
+#
+# On a machine with a CUDA torch, nvcc, and PyPI (or the wheels below):
+#     bash tools/gpu_checks/quant_cuda_check.sh
+# On a machine without network: first, where the registries are reachable,
+#     bash tools/gpu_checks/quant_cuda_check.sh --prepare      # wheels -> build/gpu-wheelhouse
+# then carry build/gpu-wheelhouse to the GPU machine and run the script there.
+# Without a GPU (nvcc only, as on the CPU machines), --build-only does the build and checks the
+# CUDA module is there, then stops (installs torch==2.13.0 into the venv if it lacks one).
+# Environment: PYTHON (default python3), MQ_WHEELHOUSE (default build/gpu-wheelhouse),
+# MQ_CUDA_ARCH (default "native": the GPU in the machine; e.g. "90" or "90;100").
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+WHEELHOUSE=${MQ_WHEELHOUSE:-build/gpu-wheelhouse}
+BUILD_REQS=(scikit-build-core nanobind pathspec packaging)
+TEST_REQS=(pytest hypothesis iniconfig pluggy sortedcontainers attrs)
+
+if [[ "${1:-}" == "--prepare" ]]; then
+  mkdir -p "$WHEELHOUSE"
+  "$PY" -m pip download -q --only-binary=:all: -d "$WHEELHOUSE" "${BUILD_REQS[@]}" "${TEST_REQS[@]}" cmake ninja
+  echo "wheels in $WHEELHOUSE: carry it to the GPU machine"
+  exit 0
+fi
+
+BUILD_ONLY=0
+[[ "${1:-}" == "--build-only" ]] && BUILD_ONLY=1
+ARCH=${MQ_CUDA_ARCH:-$([[ $BUILD_ONLY == 1 ]] && echo "90;100" || echo native)}
+
+start=$SECONDS
+[[ $BUILD_ONLY == 1 ]] || "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" \
+  || { echo "quant_cuda_check: needs a CUDA build of torch and a GPU (PYTHON=$PY)"; exit 2; }
+NVCC=$(command -v nvcc || true)
+[[ -z "$NVCC" && -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]] && NVCC="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
+[[ -n "$NVCC" ]] || { echo "quant_cuda_check: nvcc not found (PATH or CUDA_HOME)"; exit 2; }
+export PATH="$(dirname "$NVCC"):$PATH"
+nvcc --version | tail -1
+
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+VENV=$TMP/venv
+"$PY" -m venv --system-site-packages "$VENV"  # the machine's CUDA torch stays visible
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+if [[ -d "$WHEELHOUSE" ]]; then
+  PIP+=(--no-index --find-links "$WHEELHOUSE")
+fi
+"${PIP[@]}" "${BUILD_REQS[@]}" "${TEST_REQS[@]}"
+command -v cmake >/dev/null || "${PIP[@]}" cmake ninja  # scikit-build-core would download them
+if [[ $BUILD_ONLY == 1 ]] && ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install -q torch==2.13.0
+fi
+
+echo "== build (MILES_QUANT_CUDA=ON, arch $ARCH)"
+"$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation \
+  -Cbuild-dir="$TMP/build" \
+  -Ccmake.define.MILES_QUANT_CUDA=ON \
+  -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" \
+  packages/miles-quant
+"$VENV/bin/python" -c "from miles_quant import _native; assert _native.cuda_available(), _native.cuda_error(); print('CUDA kernels built; CPU isa', _native.isa())"
+if [[ $BUILD_ONLY == 1 ]]; then
+  echo "quant_cuda_check: built (no GPU tests with --build-only) in $((SECONDS - start)) s"
+  exit 0
+fi
+
+echo "== gpu tests"
+cd "$TMP"  # import the installed package, not the checkout's src/
+timeout 240 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m gpu \
+  "$OLDPWD/packages/miles-quant/tests/test_cuda.py"
+echo "quant_cuda_check: passed in $((SECONDS - start)) s"
