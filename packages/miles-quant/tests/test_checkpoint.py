@@ -304,3 +304,41 @@ def test_streams_tensor_by_tensor(
     assert peak <= 3, f"{peak} source tensors alive at once"
     assert len(shards) > 5
     assert all(nbytes <= limit or count == 1 for nbytes, count in shards)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4_g128", "fp8_block128"])
+def test_fused_experts_are_written_per_expert(fmt: str, tmp_path: Path) -> None:
+    """A state-dict checkpoint (fused mlp.experts.gate_up_proj / down_proj, as a trainer writes
+    it) is exported under the per-expert names engines load."""
+    from safetensors.torch import save_file
+
+    model = build(qwen3_moe_config())
+    src = save(model, tmp_path / "per-expert")
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(fused / "model.safetensors"))
+    (fused / "config.json").write_bytes((src / "config.json").read_bytes())
+    plan = export_checkpoint(fused, tmp_path / "q", fmt, keep_bf16=["model.layers.0"])
+    assert plan.split["model.layers.1.mlp.experts.gate_up_proj"][:2] == [
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+        "model.layers.1.mlp.experts.0.up_proj.weight",
+    ]
+    # The same tensors, bit for bit, as exporting the save_pretrained (per-expert) checkpoint.
+    export_checkpoint(src, tmp_path / "ref", fmt, keep_bf16=["model.layers.0"])
+    got = load_quantized(tmp_path / "q", dequantize=False)
+    want = load_quantized(tmp_path / "ref", dequantize=False)
+    assert sorted(got) == sorted(want)
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in got  # kept, split too
+    for name, w in want.items():
+        g = got[name]
+        if isinstance(w, mq.QuantizedTensor):
+            assert isinstance(g, mq.QuantizedTensor)
+            assert same_bits(g.data, w.data), name
+            assert same_bits(g.scales, w.scales), name
+        else:
+            assert isinstance(g, torch.Tensor)
+            assert same_bits(g, w), name
+    ignore = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    key = {"fp8_block128": "ignored_layers", "nvfp4": "ignore", "int4_g128": "ignore"}[fmt]
+    assert "model.layers.0.mlp.experts.2.up_proj" in ignore[key]

@@ -98,14 +98,27 @@ def test_qat_train_step_and_export_codes(moe_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "w4a16"
     export_checkpoint(ckpt, out, "int4_g128", only=list(cfg.qat.patterns))  # type: ignore[union-attr]
     state = load_quantized(out, dequantize=False)
+    checked = 0
     for name, p in experts.items():
         w = p.detach().to(torch.bfloat16)  # the bf16 copy the QAT forward quantized
-        q = state[name]
-        assert isinstance(q, mq.QuantizedTensor), name
-        assert torch.equal(q.data, mq.quantize(w, "int4_g128").data), name
-        assert q.scales.dtype == torch.bfloat16
-        deq = mq.dequantize(q, torch.bfloat16)
-        assert torch.equal(deq.view(torch.int16), fake_quantize_int4(w).view(torch.int16)), name
+        fq = fake_quantize_int4(w)  # what that forward computed with
+        prefix, _, leaf = name.rpartition(".")
+        half = w.shape[1] // 2
+        for e in range(w.shape[0]):
+            # The checkpoint has the per-expert names engines load (gate rows first).
+            if leaf == "down_proj":
+                pieces = {"down_proj": slice(None)}
+            else:
+                pieces = {"gate_proj": slice(0, half), "up_proj": slice(half, None)}
+            for part, rows in pieces.items():
+                q = state[f"{prefix}.{e}.{part}.weight"]
+                assert isinstance(q, mq.QuantizedTensor), name
+                assert torch.equal(q.data, mq.quantize(w[e, rows], "int4_g128").data), name
+                assert q.scales.dtype == torch.bfloat16
+                deq = mq.dequantize(q, torch.bfloat16).view(torch.int16)
+                assert torch.equal(deq, fq[e, rows].contiguous().view(torch.int16)), name
+                checked += 1
+    assert checked == 2 * 4 * 3  # layers x experts x (gate, up, down)
 
 
 def test_qat_on_two_fsdp2_ranks_matches_one_rank(moe_dir: Path, tmp_path: Path) -> None:

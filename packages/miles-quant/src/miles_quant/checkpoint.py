@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from miles_quant._api import Backend, QuantizedTensor, dequantize, quantize
+from miles_quant._checkpoint_experts import split_experts, split_names, splits
 from miles_quant._checkpoint_io import (
     DEFAULT_MAX_SHARD_BYTES,
     AtomicDir,
@@ -77,6 +78,9 @@ class ExportPlan:
         quantized: names of the source tensors that are quantized, in file order.
         kept: source tensor name -> why it stays in source precision.
         fused: NVFP4 only: groups of tensors quantized together (one global scale).
+        split: fused expert parameters (``mlp.experts.gate_up_proj`` / ``down_proj`` of
+            Qwen2/3-MoE-style models) -> the per-expert tensor names written for them (the
+            names engines load; gate and up of one expert form an NVFP4 group).
     """
 
     format: str
@@ -84,6 +88,7 @@ class ExportPlan:
     quantized: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
     fused: list[list[str]] = field(default_factory=list)
+    split: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _read_config(model_dir: Path) -> dict[str, Any]:
@@ -186,6 +191,8 @@ def plan_export(
             )
         for name in reader.names:
             shape, dtype = reader.meta(name)
+            if splits(cfg, name, len(shape)):
+                plan.split[name] = split_names(name, shape)
             why = selector.reason_kept(name, dtype, shape)
             if why is not None:
                 plan.kept[name] = why
@@ -298,44 +305,35 @@ def export_checkpoint(
     quantized = set(plan.quantized)
     group_of = {m: g for g in plan.fused for m in g}
     done: set[str] = set()
+    kept_weights: list[str] = []  # output names of kept weight matrices (the ignore lists)
     with TensorReader(src) as reader, AtomicDir(dst) as out:
         writer = ShardWriter(out.tmp, max_shard_bytes)
         total = len(reader.names)
         for name in reader.names:
             if name in done:
                 continue
-            if name not in quantized:
-                writer.add(name, reader.get(name))
-                members = [name]
+            members = group_of.get(name, [name])
+            if name in plan.split:
+                groups = split_experts(name, reader.get(name))
             else:
-                members = group_of.get(name, [name])
-                tensors = [reader.get(m) for m in members]
-                if len({t.dtype for t in tensors}) != 1:
-                    raise ValueError(f"fusion group {members} mixes dtypes")
-                x = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
-                if _input_dim_first(cfg, name, x.dim()):
-                    x = x.transpose(-1, -2)
-                q = quantize(
-                    x,
-                    fmt,
-                    scale_rule=scale_rule,
-                    stacked=fmt == "nvfp4" and x.dim() == 3,
-                    backend=backend,
-                )
-                scale_in = _input_scale(input_amax, members) if fmt == "nvfp4" else 1.0
-                for m, part in zip(members, _split_rows(q, [t.shape[0] for t in tensors])):
-                    for out_name, t in encode(m, part, scale_in).items():
+                groups = [[(m, reader.get(m)) for m in members]]
+            for group in groups:
+                if name not in quantized:
+                    for out_name, t in group:
                         writer.add(out_name, t)
+                        if plan.kept[name] != "not a weight matrix":
+                            kept_weights.append(out_name)
+                    continue
+                # NVFP4 quantizes a group as one tensor (one global scale); other formats
+                # have only local scales, so each member is quantized on its own.
+                parts = [group] if fmt == "nvfp4" else [[m] for m in group]
+                for part in parts:
+                    _write_quantized(writer, part, fmt, cfg, scale_rule, input_amax, backend, name)
             done.update(members)
             if progress is not None:
                 progress(len(done), total, name)
         writer.close()
-        kept_modules = [
-            m
-            for n, why in plan.kept.items()
-            if why != "not a weight matrix"
-            for m in modules_of([n])
-        ]
+        kept_modules = modules_of(kept_weights)
         qcfg, extra = quantization_config(fmt, kept_modules, scale_rule)
         cfg["quantization_config"] = qcfg
         (out.tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -344,6 +342,32 @@ def export_checkpoint(
         copy_side_files(src, out.tmp)
         out.commit()
     return plan
+
+
+def _write_quantized(
+    writer: ShardWriter,
+    group: list[tuple[str, torch.Tensor]],
+    fmt: str,
+    cfg: dict[str, Any],
+    scale_rule: str | None,
+    input_amax: float | Mapping[str, float] | None,
+    backend: Backend,
+    source: str,
+) -> None:
+    """Quantize ``group`` (one tensor, or NVFP4 members concatenated along dim 0) and write
+    each member in the layout."""
+    names = [n for n, _ in group]
+    if len({t.dtype for _, t in group}) != 1:
+        raise ValueError(f"fusion group {names} mixes dtypes")
+    x = group[0][1] if len(group) == 1 else torch.cat([t for _, t in group], dim=0)
+    if _input_dim_first(cfg, source, x.dim()):
+        x = x.transpose(-1, -2)
+    stacked = fmt == "nvfp4" and x.dim() == 3
+    q = quantize(x, fmt, scale_rule=scale_rule, stacked=stacked, backend=backend)
+    scale_in = _input_scale(input_amax, names) if fmt == "nvfp4" else 1.0
+    for m, part in zip(names, _split_rows(q, [t.shape[0] for _, t in group])):
+        for out_name, t in encode(m, part, scale_in).items():
+            writer.add(out_name, t)
 
 
 def _split_rows(q: QuantizedTensor, rows: list[int]) -> list[QuantizedTensor]:
