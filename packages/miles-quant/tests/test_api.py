@@ -79,6 +79,12 @@ def test_non_contiguous_and_grad_inputs_are_accepted_and_not_modified() -> None:
     [
         ({"x": torch.randn(4, 32, dtype=torch.float64), "format": "mxfp4"}, "unsupported dtype"),
         ({"x": torch.ones(4, 32, dtype=torch.int32), "format": "fp8_e4m3"}, "unsupported dtype"),
+        ({"x": torch.ones(4, 32, dtype=torch.bool), "format": "nvfp4"}, "unsupported dtype"),
+        (
+            {"x": torch.ones(4, 32).to(torch.float8_e4m3fn), "format": "mxfp8_e4m3"},
+            "unsupported dtype",
+        ),
+        ({"x": torch.ones(4, 32, dtype=torch.complex64), "format": "int4_g32"}, "unsupported"),
         ({"x": torch.tensor(1.0), "format": "fp8_e4m3"}, "at least one dimension"),
         ({"x": torch.randn(32), "format": "fp8_block128"}, "needs \\[..., N, K\\]"),
         ({"x": torch.randn(2, 16, 32), "format": "nvfp4", "granularity": "16x16"}, "16x16"),

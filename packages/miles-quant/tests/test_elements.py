@@ -220,3 +220,30 @@ def test_e8m0_value_and_inverse_are_exact_powers_of_two() -> None:
     t = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e8m0fnu).float()
     assert torch.equal(t[:255].to(torch.float64), want)
     assert math.isnan(t[255].item())
+
+
+def test_e8m0_casts_differ_from_the_scale_rules_exactly_where_documented() -> None:
+    # Contract, section 6: scales come from FLOOR / RCEIL / EVEN on bits, never from an E8M0
+    # cast. torch's cast rounds the mantissa half up (a descale of 1.25 * 2^k becomes 2^k, below
+    # the block's need, which RCEIL rounds up), maps 0 to code 0 and drops the sign; ml_dtypes
+    # rounds the same way but maps 0 and negatives to NaN (0xFF).
+    v = all_bf16().to(torch.float32)
+    d = v[(v > 0) & (v < 2.0**118)]  # positive descales; d * 448 stays finite
+    b = _bits.f32_bits(d)
+    field, mant = b >> 23, b & 0x7FFFFF
+    normal = field > 0
+    d, field, mant = d[normal], field[normal], mant[normal]
+    torch_code = d.to(torch.float8_e8m0fnu).view(torch.uint8).to(torch.int64)
+    assert torch.equal(torch_code, field + (mant >= 0x400000).to(torch.int64))
+    ml = torch.from_numpy(d.numpy().astype(ml_dtypes.float8_e8m0fnu).view(np.uint8).copy())
+    assert torch.equal(ml.to(torch.int64), torch_code)
+    # RCEIL of the same descale (amax = d * 448 is exact for bf16 d; the rule divides it back).
+    rceil = _bits.e8m0_rceil(_bits.f32_bits(d * E4M3.max_value), E4M3)
+    assert torch.equal(rceil, torch.clamp(field + (mant != 0).to(torch.int64), max=254))
+    differ = (mant != 0) & (mant < 0x400000)
+    assert torch.equal(rceil != torch_code, differ)
+    assert differ.any()
+    zero = torch.zeros(2)
+    zero[1] = -0.0
+    assert zero.to(torch.float8_e8m0fnu).view(torch.uint8).tolist() == [0, 0]
+    assert zero.numpy().astype(ml_dtypes.float8_e8m0fnu).view(np.uint8).tolist() == [255, 255]
