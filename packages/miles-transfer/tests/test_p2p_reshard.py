@@ -158,3 +158,47 @@ def test_without_the_extension_the_torch_reference_runs_with_a_warning():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+@pytest.mark.slow
+def test_without_a_compiler_the_package_installs_and_uses_the_reference(tmp_path):
+    """`pip install` with no C++ compiler: a wheel without _ext, an import that works."""
+    import venv
+    import zipfile
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp_path / "w", pkg],
+        check=True, env=env, timeout=600,
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "w").glob("miles_transfer-*.whl")
+    assert not [n for n in zipfile.ZipFile(wheel).namelist() if "_ext" in n]
+    venv.EnvBuilder(with_pip=True).create(tmp_path / "v")
+    py = tmp_path / "v" / "bin" / "python"
+    subprocess.run(
+        [py, "-m", "pip", "install", "-q", "torch==2.13.0", wheel], check=True, timeout=600
+    )
+    code = (
+        "import torch, warnings, miles_transfer as m\n"
+        "assert not m.reshard_native_available()\n"
+        "assert 'no C++ compiler' in m.reshard_native_error()\n"
+        "s = m.ModelShape(hidden=8, intermediate=8, num_layers=1, num_heads=2, num_kv_heads=1,\n"
+        "                 head_dim=4, vocab=10)\n"
+        "p = m.plan_transfer(m.fsdp_layout(m.qwen3_params(s), 2), m.sglang_layout(s, tp=2))\n"
+        "full = {n: torch.randn(v.shape).to(v.dtype) for n, v in m.qwen3_params(s).items()}\n"
+        "out = {0: p.dst.rank(0).allocate()}\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    m.reshard_local(p, {r: m.materialize(p.src, r, full) for r in range(2)}, out)\n"
+        "assert any('PyTorch reference' in str(x.message) for x in w)\n"
+        "ref = m.materialize(p.dst, 0, full)\n"
+        "assert all(torch.equal(ref[k], out[0][k]) for k in ref)\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run(
+        [py, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"

@@ -18,6 +18,7 @@ otherwise (CUDA tensors, or no compiler at install time: a warning is issued onc
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -46,6 +47,8 @@ _error: str | None
 try:
     if os.environ.get("MILES_TRANSFER_DISABLE_NATIVE", "") == "1":
         raise ImportError("disabled by MILES_TRANSFER_DISABLE_NATIVE=1")
+    if importlib.util.find_spec("miles_transfer._ext") is None:
+        raise ImportError("not built (no C++ compiler when miles-transfer was installed)")
     from miles_transfer import _ext  # type: ignore[attr-defined,no-redef]
 
     _error = None
