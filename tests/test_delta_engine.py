@@ -123,3 +123,30 @@ def test_sglang_disk_path_through_the_http_server(checkpoints, tmp_path):
             assert not engine.server_info()["internal_states"][0]["paused"]
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block128", "nvfp4"])
+def test_publisher_diffs_in_quantized_rollout_precision(checkpoints, tmp_path, fmt):
+    """precision="nvfp4" etc.: each version is exported by miles-quant and diffed in that
+    layout; what a host pulls equals a direct export of the same weights, bit for bit."""
+    pytest.importorskip("safetensors")
+    mq = pytest.importorskip("miles_quant.checkpoint")
+    from miles_transfer import DeltaPublisher, DeltaSubscriber
+
+    base, new = checkpoints
+    config = {"config.json": (base / "config.json").read_bytes()}
+    pub = DeltaPublisher(tmp_path / "pub", precision=fmt, other_files=config)
+    pub.publish(iter_safetensors(base))
+    report = pub.publish(iter_safetensors(new))
+    assert report.delta is not None
+    assert report.delta.payload_bytes < report.full_bytes
+    pulled = DeltaSubscriber(tmp_path / "pub", tmp_path / "host").pull()
+    direct = tmp_path / "direct"
+    mq.export_checkpoint(new, direct, fmt)
+    got = dict(iter_safetensors(pulled.path))
+    want = dict(iter_safetensors(direct))
+    assert got.keys() == want.keys()
+    assert any(t.dtype in (torch.float8_e4m3fn, torch.uint8) for t in want.values())
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype, name
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))

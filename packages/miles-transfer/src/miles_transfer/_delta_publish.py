@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -52,6 +53,34 @@ __all__ = [
 
 _VERSION_RE = re.compile(r"^weight_v(\d{6,})$")
 _FLOAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Quantized rollout precisions: miles-quant's checkpoint export (engine layouts), imported lazily.
+QUANT_PRECISIONS = ("fp8_block128", "mxfp4", "nvfp4", "int4_g32", "int4_g128")
+
+
+def _quantized(snap: MemoryCheckpoint, fmt: str) -> MemoryCheckpoint:
+    """The bf16 snapshot exported to a quantized engine layout by miles-quant."""
+    try:
+        # Optional, user-installed: not a dependency of this package (Pants: no inferred dep).
+        from miles_quant.checkpoint import export_checkpoint  # pants: no-infer-dep
+    except ImportError as e:
+        raise ImportError(
+            f"precision={fmt!r} quantizes through miles-quant ({e}); install it with: "
+            f"pip install 'miles-quant[checkpoint]'"
+        ) from e
+    if "config.json" not in snap.other_files:
+        raise ValueError(
+            f"precision={fmt!r} needs the model's config.json in other_files (miles-quant "
+            f"reads it and records the quantization there)"
+        )
+    with tempfile.TemporaryDirectory(prefix="miles-delta-quant-") as tmp:
+        src, dst = Path(tmp) / "bf16", Path(tmp) / fmt
+        src.mkdir()
+        snap.write(src)
+        export_checkpoint(src, dst, fmt)
+        with CheckpointIndex(dst) as q:
+            items = [(n, q.read(n)) for es in q.files.values() for n in (e.name for e in es)]
+            other = {n: q.read_other(n) for n in q.other_files}
+    return MemoryCheckpoint(items, other)
 
 
 def version_dir_name(version: int) -> str:
@@ -110,9 +139,12 @@ class DeltaPublisher:
         root: the publish directory (created if missing).
         encoding: ``"xor"`` (smallest) or ``"overwrite"`` (idempotent).
         full_every: a full snapshot every this many versions (version % full_every == 0).
-        precision: ``"bf16"``, ``"fp16"`` or ``"fp32"``: floating tensors are cast to it (the
-            rollout precision) before diffing; ``None`` keeps every tensor as given (pass
-            already-quantized tensors, e.g. from ``miles_quant``, this way).
+        precision: the rollout precision the engines load. ``"bf16"``, ``"fp16"``, ``"fp32"``:
+            floating tensors are cast. ``"fp8_block128"``, ``"mxfp4"``, ``"nvfp4"``,
+            ``"int4_g32"``, ``"int4_g128"``: cast to bf16, then exported to that engine layout
+            by miles-quant (``pip install 'miles-quant[checkpoint]'``; needs ``config.json``
+            in ``other_files``; goes through a temporary directory). ``None``: tensors as
+            given.
         other_files: files that travel with every full snapshot and delta (``config.json``,
             tokenizer files): ``{name: bytes}``, or a directory whose top-level
             non-safetensors files are taken.
@@ -137,10 +169,10 @@ class DeltaPublisher:
             raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
         if full_every < 1:
             raise ValueError(f"full_every must be >= 1, got {full_every}")
-        if precision is not None and precision not in _FLOAT_DTYPES:
+        if precision is not None and precision not in (*_FLOAT_DTYPES, *QUANT_PRECISIONS):
             raise ValueError(
-                f"precision must be one of {sorted(_FLOAT_DTYPES)} or None (tensors as given; "
-                f"quantize with miles_quant first for fp8/fp4), got {precision!r}"
+                f"precision must be one of {[*_FLOAT_DTYPES, *QUANT_PRECISIONS]} or None "
+                f"(tensors as given), got {precision!r}"
             )
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -166,7 +198,10 @@ class DeltaPublisher:
         self.version: int | None = None
 
     def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> MemoryCheckpoint:
-        dtype = None if self.precision is None else _FLOAT_DTYPES[self.precision]
+        quant = self.precision in QUANT_PRECISIONS
+        dtype = (
+            None if self.precision is None else _FLOAT_DTYPES.get(self.precision, torch.bfloat16)
+        )
         items = []
         for name, t in named_tensors:
             src = t.detach()
@@ -175,7 +210,8 @@ class DeltaPublisher:
             if out.data_ptr() == src.data_ptr():
                 out = out.clone()  # own memory: the caller's tensors change after publish
             items.append((name, out))
-        return MemoryCheckpoint(items, self.other_files)
+        snap = MemoryCheckpoint(items, self.other_files)
+        return _quantized(snap, str(self.precision)) if quant else snap
 
     def publish(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None
