@@ -126,9 +126,10 @@ def main() -> None:
     print(f"run {args.run_dir} ({len(steps)} steps), base {args.base}")
     print(
         "| precision | full bytes | changed/step median (min-max) | xor payload/step median "
-        "(max) | overwrite payload/step median (max) | changed after all steps |"
+        "(max) | of which delta.bin | manifest bytes | overwrite payload/step median (max) "
+        "| changed after all steps |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for fmt, rows in results.items():
         per = rows[:-1]
         ch = [r["changed_fraction"] for r in per]
