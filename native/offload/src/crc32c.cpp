@@ -44,6 +44,38 @@ uint32_t crc_table(uint32_t c, const unsigned char* p, std::size_t n) {
   return c;
 }
 
+// crc32c(A || B) from crc32c(A), crc32c(B) and len(B): zlib's crc32_combine method (multiply
+// crc(A) by x^(8 len(B)) with 32x32 GF(2) matrices, squared per bit of the length).
+uint32_t gf2_times(const uint32_t* mat, uint32_t vec) {
+  uint32_t sum = 0;
+  for (int i = 0; vec != 0; vec >>= 1, ++i)
+    if (vec & 1u) sum ^= mat[i];
+  return sum;
+}
+
+void gf2_square(uint32_t* square, const uint32_t* mat) {
+  for (int n = 0; n < 32; ++n) square[n] = gf2_times(mat, mat[n]);
+}
+
+uint32_t combine(uint32_t crc1, uint32_t crc2, std::size_t len2) {
+  if (len2 == 0) return crc1;
+  uint32_t even[32], odd[32];
+  odd[0] = 0x82F63B78u;  // the operator for one zero bit
+  for (int n = 1; n < 32; ++n) odd[n] = 1u << (n - 1);
+  gf2_square(even, odd);  // two zero bits
+  gf2_square(odd, even);  // four zero bits
+  do {
+    gf2_square(even, odd);
+    if (len2 & 1) crc1 = gf2_times(even, crc1);
+    len2 >>= 1;
+    if (len2 == 0) break;
+    gf2_square(odd, even);
+    if (len2 & 1) crc1 = gf2_times(odd, crc1);
+    len2 >>= 1;
+  } while (len2 != 0);
+  return crc1 ^ crc2;
+}
+
 #ifdef MO_X86
 __attribute__((target("sse4.2"))) uint32_t crc_hw(uint32_t c, const unsigned char* p,
                                                    std::size_t n) {
@@ -59,20 +91,43 @@ __attribute__((target("sse4.2"))) uint32_t crc_hw(uint32_t c, const unsigned cha
   while (n--) c32 = _mm_crc32_u8(c32, *p++);
   return c32;
 }
+
+// Three independent streams over three thirds of the buffer: the crc32 instruction has a
+// latency of 3 cycles and a throughput of 1, so this runs about 3x faster than one stream.
+// Takes and returns the conditioned (final) CRC value.
+__attribute__((target("sse4.2"))) uint32_t crc_hw3(uint32_t crc, const unsigned char* p,
+                                                    std::size_t n) {
+  const std::size_t third = (n / 24) * 8;
+  if (third < 4096) return ~crc_hw(~crc, p, n);
+  const unsigned char* q = p + third;
+  const unsigned char* r = p + 2 * third;
+  uint64_t a = static_cast<uint32_t>(~crc), b = 0xFFFFFFFFu, c = 0xFFFFFFFFu;
+  for (std::size_t i = 0; i < third; i += 8) {
+    uint64_t wa, wb, wc;
+    std::memcpy(&wa, p + i, 8);
+    std::memcpy(&wb, q + i, 8);
+    std::memcpy(&wc, r + i, 8);
+    a = _mm_crc32_u64(a, wa);
+    b = _mm_crc32_u64(b, wb);
+    c = _mm_crc32_u64(c, wc);
+  }
+  const uint32_t ca = ~static_cast<uint32_t>(a);
+  const uint32_t cb = ~static_cast<uint32_t>(b);
+  // The last stream continues over the tail after the third third.
+  const uint32_t cc = ~crc_hw(static_cast<uint32_t>(c), r + third, n - 3 * third);
+  return combine(combine(ca, cb, third), cc, n - 2 * third);
+}
 #endif
 
 }  // namespace
 
 uint32_t crc32c(uint32_t crc, const void* data, std::size_t len) {
   const auto* p = static_cast<const unsigned char*>(data);
-  uint32_t c = ~crc;
 #ifdef MO_X86
   static const bool hw = __builtin_cpu_supports("sse4.2");
-  c = hw ? crc_hw(c, p, len) : crc_table(c, p, len);
-#else
-  c = crc_table(c, p, len);
+  if (hw) return crc_hw3(crc, p, len);
 #endif
-  return ~c;
+  return ~crc_table(~crc, p, len);
 }
 
 }  // namespace miles_offload
