@@ -18,7 +18,7 @@ import torch
 
 from miles_offload._pager import ALIGN
 
-__all__ = ["Bucket", "Segment", "partition"]
+__all__ = ["Bucket", "Segment", "layout_digest", "partition"]
 
 _SEG_ALIGN = 16  # elements
 
