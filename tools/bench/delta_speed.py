@@ -7,7 +7,9 @@ fraction measured on a real RL run is the default), and times, best of ``--repea
 the full checkpoint's bytes:
 
 - memcpy: ``torch`` copy of every tensor into pre-faulted buffers (the peer);
-- encode: ``encode_checkpoints`` in memory -> delta directory (compare, compress, checksums);
+- encode: ``encode_checkpoints`` in memory -> delta directory (compare, compress, checksums),
+  as ``DeltaPublisher`` runs it (the base's checksums known from its own publish) and as the
+  command line runs it (both sides hashed);
 - apply (in memory): decode every chunk, patch, checksum every result tensor (what an engine
   host does before ``update_weights_from_tensor``; nothing written);
 - apply (to disk): write the whole new checkpoint directory (adds a full disk write).
@@ -27,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from miles_transfer._delta import encode_checkpoints, materialize_checkpoint
+from miles_transfer._delta import encode_checkpoints
 from miles_transfer._delta_format import MemoryCheckpoint
+from miles_transfer._delta_materialize import materialize_checkpoint
 
 
 def make_model(mb: int, changed: float, seed: int) -> tuple[list[tuple[str, torch.Tensor]], ...]:
@@ -90,9 +93,17 @@ def main() -> None:
         last: list[object] = []
 
         def encode() -> None:
+            # As in DeltaPublisher: the base was hashed when it was published, the new
+            # version is hashed here.
+            new.checksums.clear()
             counter[0] += 1
             out = work / f"d{counter[0]}"
             last[:] = [encode_checkpoints(base, new, out, encoding=args.encoding)]
+
+        def encode_cold() -> None:
+            # As the CLI on two directories: both sides hashed.
+            base.checksums.clear()
+            encode()
 
         def apply_memory() -> None:
             materialize_checkpoint(base, work / f"d{counter[0]}", None)
@@ -103,6 +114,7 @@ def main() -> None:
             materialize_checkpoint(base, work / f"d{counter[0]}", out)
 
         t_copy = best(memcpy, args.repeat)
+        t_cold = best(encode_cold, args.repeat)
         t_enc = best(encode, args.repeat)
         t_app = best(apply_memory, args.repeat)
         t_disk = best(apply_disk, args.repeat)
@@ -120,7 +132,8 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     for name, t in [
         ("memcpy (peer)", t_copy),
-        ("encode", t_enc),
+        ("encode (publisher: base hashed before)", t_enc),
+        ("encode (CLI: both hashed)", t_cold),
         ("apply in memory", t_app),
         ("apply to disk (new dir)", t_disk),
     ]:

@@ -3,13 +3,7 @@
 Depends on torch and the standard library only, so it installs alone into any RL stack.
 """
 
-from miles_transfer._delta import (
-    DeltaBaseError,
-    DeltaReport,
-    MaterializeReport,
-    encode_delta,
-    materialize_delta,
-)
+from miles_transfer._delta import DeltaReport, encode_delta
 from miles_transfer._delta_apply import VerifyReport, apply_delta, recover_target, verify_delta
 from miles_transfer._delta_engine import (
     DiskReloadEngine,
@@ -18,6 +12,7 @@ from miles_transfer._delta_engine import (
     update_engine_from_delta,
     update_engine_via_disk,
 )
+from miles_transfer._delta_materialize import DeltaBaseError, MaterializeReport, materialize_delta
 from miles_transfer._delta_publish import (
     DeltaPublisher,
     DeltaSubscriber,

@@ -1,9 +1,9 @@
-"""Disk deltas between two HF safetensors checkpoints: encode, materialize, verify.
+"""Disk deltas between two HF safetensors checkpoints: encode.
 
 ``encode_delta(base, new, out)`` writes a delta directory (see ``_delta_format``) holding only
-the elements whose bits changed. ``materialize_delta(base, delta, out)`` writes the new
-checkpoint into a fresh directory; ``apply_delta`` (``_delta_apply``) does it in place. Every
-tensor of the result is checked against its xxh3-128 checksum before anything is published.
+the elements whose bits changed. ``materialize_delta`` (``_delta_materialize``) writes the new
+checkpoint from a base and a delta into a fresh directory; ``apply_delta`` (``_delta_apply``)
+does it in place.
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ from typing import IO, Any
 
 import torch
 
-from miles_transfer._bytes import byte_view
 from miles_transfer._delta_codec import (
     ENCODINGS,
     Encoding,
-    apply_chunk,
     checksum,
     checksum_bytes,
     compress,
@@ -39,30 +37,12 @@ from miles_transfer._delta_format import (
     CheckpointIndex,
     dtype_name,
     fingerprint,
-    iter_chunks,
-    load_manifest,
-    read_blob,
 )
-from miles_transfer._safetensors import SAFETENSORS_DTYPES
 
-__all__ = [
-    "DEFAULT_CHUNK_ELEMS",
-    "DeltaBaseError",
-    "DeltaReport",
-    "MaterializeReport",
-    "Progress",
-    "encode_checkpoints",
-    "encode_delta",
-    "materialize_checkpoint",
-    "materialize_delta",
-]
+__all__ = ["DEFAULT_CHUNK_ELEMS", "DeltaReport", "Progress", "encode_checkpoints", "encode_delta"]
 
 DEFAULT_CHUNK_ELEMS = 1 << 22  # 4 Mi elements (8 MiB of bf16): bounded scratch memory
 Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
-
-
-class DeltaBaseError(ValueError):
-    """The target is not the checkpoint a delta was made from (wrong version, or applied)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,27 +91,6 @@ class DeltaReport:
             f"tensors; {self.payload_bytes + self.manifest_bytes} bytes vs {self.full_bytes} "
             f"full ({100 * self.payload_fraction:.3f}%); {self.seconds:.2f}s"
         )
-
-
-@dataclass(frozen=True, slots=True)
-class MaterializeReport:
-    """What applying a delta produced.
-
-    Attributes:
-        path: the directory written (``None`` for a dry run).
-        version: the result's version string from the manifest (may be ``None``).
-        tensors: tensors in the result.
-        changed: names of the tensors the delta changed (or added), in file order.
-        bytes: bytes of the result's tensors.
-        seconds: wall time.
-    """
-
-    path: Path | None
-    version: str | None
-    tensors: int
-    changed: tuple[str, ...]
-    bytes: int
-    seconds: float
 
 
 def _fresh_staging(out: Path) -> Path:
@@ -355,201 +314,3 @@ def encode_delta(
             version=version,
             progress=progress,
         )
-
-
-def _check_base(base: CheckpointIndex, m: dict[str, Any], delta: Path) -> None:
-    """Names, dtypes and shapes the delta needs from its base (cheap, before any work)."""
-    bad = []
-    for name, t in m["tensors"].items():
-        if t["op"] == "new":
-            continue
-        e = base.tensors.get(name)
-        if e is None:
-            bad.append(f"{name} is missing")
-        elif dtype_name(e.dtype) != t["dtype"] or list(e.shape) != t["shape"]:
-            have = f"{dtype_name(e.dtype)}{list(e.shape)}"
-            bad.append(f"{name} is {have}, not {t['dtype']}{t['shape']}")
-    if bad:
-        raise DeltaBaseError(
-            f"{base.path} does not match the base of delta {delta} ({len(bad)} tensors: "
-            f"{'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}); apply it to the checkpoint "
-            f"it was encoded from (base version {m['base'].get('version')!r})"
-        )
-
-
-def _tensor_result(
-    base: CheckpointIndex,
-    name: str,
-    t: dict[str, Any],
-    encoding: Encoding,
-    payload: IO[bytes],
-    delta: Path,
-    base_version: str | None,
-) -> torch.Tensor:
-    """Build one result tensor and check its final checksum."""
-    if t["op"] == "new":
-        out = torch.zeros(t["shape"], dtype=SAFETENSORS_DTYPES[t["dtype"]])
-        enc: Encoding = "overwrite"
-    else:
-        out = base.read(name, writable=t["op"] == "patch")
-        enc = encoding
-        if t["op"] == "patch" and encoding == "xor":
-            have = checksum(out)
-            if have != t["base_checksum"]:
-                state = (
-                    "already holds this delta's result (an xor delta applies exactly once)"
-                    if have == t["checksum"]
-                    else "is neither the delta's base nor its result"
-                )
-                raise DeltaBaseError(
-                    f"{base.path}: tensor {name} {state}; refusing to apply xor delta {delta} "
-                    f"(made from base version {base_version!r})"
-                )
-    if t["op"] != "keep":
-        view = int_view(out)
-        n = t["chunk_elems"]
-        for index, layout, changed, ref in iter_chunks(t):
-            raw = read_blob(payload, ref, f"chunk {index} of {name}")
-            try:
-                apply_chunk(view[index * n : (index + 1) * n], layout, changed, raw, enc)
-            except (ValueError, IndexError, RuntimeError) as e:
-                raise ValueError(f"{delta}: chunk {index} of {name} is corrupted: {e}") from e
-    if checksum(out) != t["checksum"]:
-        what = "the patched tensor" if t["op"] != "keep" else "the unchanged tensor"
-        raise DeltaBaseError(
-            f"{base.path}: {what} {name} does not match the delta's result checksum; the "
-            f"target is not the base this delta was encoded from (or the delta is corrupted)"
-        )
-    return out
-
-
-def materialize_checkpoint(
-    base: CheckpointIndex,
-    delta: str | Path,
-    out: str | Path | None,
-    *,
-    progress: Progress | None = None,
-    keep_tensors: bool = False,
-) -> tuple[MaterializeReport, dict[str, torch.Tensor]]:
-    """Apply a delta to an opened base; write the result to ``out`` (None: dry run).
-
-    Returns the report and, with ``keep_tensors``, the changed tensors by name.
-    """
-    t0 = time.perf_counter()
-    delta = Path(delta)
-    m, ppath = load_manifest(delta)
-    _check_base(base, m, delta)
-    staging = None if out is None else _fresh_staging(Path(out))
-    kept: dict[str, torch.Tensor] = {}
-    changed: list[str] = []
-    total = sum(_nbytes(t) for t in m["tensors"].values())
-    done = 0
-    try:
-        with ppath.open("rb") as payload:
-            for f in m["files"]:
-                head = read_blob(payload, f["header"], f"the header of {f['name']}")
-                layout = _parse_header(head, f, m, delta)
-                sink = None if staging is None else (staging / f["name"]).open("wb")
-                try:
-                    if sink is not None:
-                        sink.write(head)
-                    for name in f["tensors"]:
-                        t = m["tensors"][name]
-                        result = _tensor_result(
-                            base, name, t, m["encoding"], payload, delta, m["base"].get("version")
-                        )
-                        if t["op"] != "keep":
-                            changed.append(name)
-                            if keep_tensors:
-                                kept[name] = result
-                        if sink is not None:
-                            sink.seek(layout[name])
-                            sink.write(byte_view(result.reshape(-1)))
-                        done += _nbytes(t)
-                        if progress is not None:
-                            progress("apply", done, total)
-                finally:
-                    if sink is not None:
-                        sink.flush()
-                        os.fsync(sink.fileno())
-                        sink.close()
-            for name, o in m["other_files"].items():
-                if "blob" in o:
-                    data = read_blob(payload, o["blob"], f"file {name}")
-                elif name in base.other_files:
-                    data = base.read_other(name)
-                else:
-                    raise DeltaBaseError(f"{base.path}: {name} is missing (the delta keeps it)")
-                if checksum_bytes(data) != o["checksum"]:
-                    raise DeltaBaseError(
-                        f"{base.path}: file {name} differs from the delta's base and result"
-                    )
-                if staging is not None:
-                    with (staging / name).open("wb") as fo:
-                        fo.write(data)
-                        fo.flush()
-                        os.fsync(fo.fileno())
-        if staging is not None:
-            assert out is not None
-            _publish(staging, Path(out))
-    except BaseException:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-    report = MaterializeReport(
-        path=None if out is None else Path(out),
-        version=m["result"].get("version"),
-        tensors=len(m["tensors"]),
-        changed=tuple(changed),
-        bytes=total,
-        seconds=time.perf_counter() - t0,
-    )
-    return report, kept
-
-
-def _nbytes(t: dict[str, Any]) -> int:
-    n = SAFETENSORS_DTYPES[t["dtype"]].itemsize
-    for d in t["shape"]:
-        n *= int(d)
-    return n
-
-
-def _parse_header(head: bytes, f: dict[str, Any], m: dict[str, Any], delta: Path) -> dict[str, int]:
-    """``{tensor: absolute data offset}`` of a result file; checked against the manifest."""
-    try:
-        n = int.from_bytes(head[:8], "little")
-        header = json.loads(head[8 : 8 + n])
-        header.pop("__metadata__", None)
-        offsets = {name: 8 + n + int(e["data_offsets"][0]) for name, e in header.items()}
-        ok = len(head) == 8 + n and set(header) == set(f["tensors"])
-        ok = ok and all(
-            header[k]["dtype"] == m["tensors"][k]["dtype"]
-            and header[k]["shape"] == m["tensors"][k]["shape"]
-            for k in header
-        )
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{delta}: the stored header of {f['name']} is malformed: {e}") from e
-    if not ok:
-        raise ValueError(f"{delta}: the stored header of {f['name']} disagrees with the manifest")
-    return offsets
-
-
-def materialize_delta(
-    base: str | Path,
-    delta: str | Path,
-    out: str | Path,
-    *,
-    progress: Progress | None = None,
-) -> MaterializeReport:
-    """Write the checkpoint that ``delta`` makes from ``base`` into a new directory ``out``.
-
-    ``base`` is only read. ``out`` appears only once every tensor and file is written and has
-    passed its checksum; on any error nothing is left behind.
-
-    Raises:
-        DeltaBaseError: ``base`` is not the checkpoint the delta was made from.
-        ValueError: a corrupted, truncated or malformed delta, or a bad ``out``.
-    """
-    with CheckpointIndex(base) as b:
-        report, _ = materialize_checkpoint(b, delta, out, progress=progress)
-    return report

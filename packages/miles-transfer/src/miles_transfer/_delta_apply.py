@@ -18,14 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from miles_transfer._delta import (
-    MaterializeReport,
-    Progress,
-    _fsync_dir,
-    materialize_checkpoint,
-)
+from miles_transfer._delta import Progress, _fsync_dir
 from miles_transfer._delta_codec import checksum
 from miles_transfer._delta_format import CheckpointIndex, dtype_name, load_manifest
+from miles_transfer._delta_materialize import MaterializeReport, materialize_checkpoint
 
 __all__ = ["VerifyReport", "apply_delta", "recover_target", "verify_delta"]
 

@@ -12,8 +12,9 @@ import sys
 import time
 from typing import Any
 
-from miles_transfer._delta import DeltaBaseError, Progress, encode_delta
+from miles_transfer._delta import Progress, encode_delta
 from miles_transfer._delta_apply import apply_delta, verify_delta
+from miles_transfer._delta_materialize import DeltaBaseError
 
 __all__ = ["add_delta_parser"]
 

@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
-from miles_transfer._delta import materialize_checkpoint
 from miles_transfer._delta_format import CheckpointIndex
+from miles_transfer._delta_materialize import materialize_checkpoint
 
 __all__ = [
     "DiskReloadEngine",

@@ -38,10 +38,10 @@ from miles_transfer._delta import (
     DeltaReport,
     _fsync_dir,
     encode_checkpoints,
-    materialize_delta,
 )
 from miles_transfer._delta_codec import ENCODINGS, Encoding
 from miles_transfer._delta_format import CheckpointIndex, MemoryCheckpoint
+from miles_transfer._delta_materialize import materialize_delta
 
 __all__ = [
     "DeltaPublisher",
