@@ -278,9 +278,13 @@ template <DType D, class F>
 static inline void mx_batch512(const typename In<D>::T* x, ScaleRule rule, uint8_t* scales, uint8_t* out) {
   constexpr bool kPacked = F::kEbits + F::kMbits == 3;
   __m512i m[16];
-  for (int k = 0; k < 16; ++k)
-    m[k] = _mm512_max_epu32(simd::abs_bits(simd::load<D>(x + 32 * k, 0xFFFF)),
-                            simd::abs_bits(simd::load<D>(x + 32 * k + 16, 0xFFFF)));
+  for (int k = 0; k < 16; ++k) {
+    if constexpr (D == DType::f32) {
+      m[k] = _mm512_max_epu32(simd::abs_bits(_mm512_loadu_ps(x + 32 * k)), simd::abs_bits(_mm512_loadu_ps(x + 32 * k + 16)));
+    } else {  // a block is one vector of 32 halves
+      m[k] = simd::amax_lanes<D>(_mm512_and_si512(_mm512_loadu_si512(x + 32 * k), _mm512_set1_epi16(0x7FFF)));
+    }
+  }
   const __m512i amax = simd::reduce16(m);
   const simd::Mask poisoned = _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits));
   const __m512i code = _mm512_mask_mov_epi32(e8m0_codes<F>(rule, amax), poisoned, simd::u32(kE8M0Nan));
