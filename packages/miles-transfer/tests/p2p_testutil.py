@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from miles_transfer import (
     InProcessHub,
+    ModelShape,
     MooncakeTransport,
     ParamSpec,
     ShardReceiver,
@@ -110,3 +111,28 @@ def run_threads(
 
 def spec_dict(params: Mapping[str, ParamSpec]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return {n: (s.shape, s.dtype) for n, s in params.items()}
+
+
+def random_bits(params, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Full tensors of random bit patterns (NaN payloads and -0.0 included)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: torch.randint(-(2**15), 2**15, s.shape, dtype=torch.int16, generator=g).view(s.dtype)
+        for n, s in params.items()
+    }
+
+
+DENSE = ModelShape(
+    hidden=32, intermediate=48, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, vocab=200
+)
+MOE = ModelShape(
+    hidden=16,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    vocab=100,
+    num_experts=4,
+    moe_intermediate=8,
+    tie_word_embeddings=True,
+)

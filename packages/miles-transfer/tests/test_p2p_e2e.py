@@ -17,8 +17,7 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from p2p_testutil import module_with
-from test_p2p_plan import random_bits
+from p2p_testutil import module_with, random_bits
 
 from miles_transfer import (
     ModelShape,

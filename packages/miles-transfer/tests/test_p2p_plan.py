@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from p2p_testutil import DENSE, MOE, random_bits
 
 from miles_transfer import (
     Layout,
@@ -20,15 +21,6 @@ from miles_transfer import (
     reshard_local,
     sglang_layout,
 )
-
-
-def random_bits(params, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Full tensors of random bit patterns (NaN payloads and -0.0 included)."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        n: torch.randint(-(2**15), 2**15, s.shape, dtype=torch.int16, generator=g).view(s.dtype)
-        for n, s in params.items()
-    }
 
 
 def assert_exact(plan: TransferPlan, full: dict[str, torch.Tensor]) -> None:
@@ -59,22 +51,6 @@ def assert_exact(plan: TransferPlan, full: dict[str, torch.Tensor]) -> None:
                 box += 1
         for n in counts:
             assert torch.equal(counts[n], expect[n]), (d, n)
-
-
-DENSE = ModelShape(
-    hidden=32, intermediate=48, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, vocab=200
-)
-MOE = ModelShape(
-    hidden=16,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    vocab=100,
-    num_experts=4,
-    moe_intermediate=8,
-    tie_word_embeddings=True,
-)
 
 
 @st.composite

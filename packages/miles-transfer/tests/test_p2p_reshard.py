@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_p2p_plan import DENSE, MOE, random_bits
+from p2p_testutil import DENSE, MOE, random_bits
 
 from miles_transfer import (
     ModelShape,
@@ -128,7 +128,7 @@ def test_without_the_extension_the_torch_reference_runs_with_a_warning():
     code = (
         "import warnings, torch\n"
         "from miles_transfer import *\n"
-        "from test_p2p_plan import DENSE, random_bits\n"
+        "from p2p_testutil import DENSE, random_bits\n"
         "assert not reshard_native_available()\n"
         "assert 'MILES_TRANSFER_DISABLE_NATIVE' in reshard_native_error()\n"
         "plan = plan_transfer(fsdp_layout(qwen3_params(DENSE), 2), sglang_layout(DENSE, tp=2))\n"

@@ -6,8 +6,7 @@ import os
 
 import pytest
 import torch
-from p2p_testutil import make_transports, module_with, run_threads
-from test_p2p_plan import DENSE, MOE, random_bits
+from p2p_testutil import DENSE, MOE, make_transports, module_with, random_bits, run_threads
 
 from miles_transfer import (
     InProcessHub,
