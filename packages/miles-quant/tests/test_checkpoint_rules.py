@@ -173,3 +173,14 @@ def test_broken_layout_is_reported(dense: Path, tmp_path: Path) -> None:
     save_file(t, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match=r"up_proj.weight_scale'?, not found"):
         load_quantized(out)
+
+
+def test_without_safetensors_the_error_names_the_extra(
+    dense: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors raises
+    with pytest.raises(ImportError, match=r"pip install 'miles-quant\[checkpoint\]'"):
+        export_checkpoint(dense, tmp_path / "out", "nvfp4")
+    assert not (tmp_path / "out").exists()

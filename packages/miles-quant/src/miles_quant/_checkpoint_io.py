@@ -32,7 +32,7 @@ def _safetensors() -> Any:
     try:
         import safetensors
         import safetensors.torch
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
+    except ImportError as e:
         raise ImportError(
             "miles_quant.checkpoint needs safetensors: pip install 'miles-quant[checkpoint]' "
             "(or pip install safetensors)"
