@@ -184,12 +184,16 @@ def _changed(base: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch
     if w > 8 or base.numel() % r or not aligned:
         x = torch.bitwise_xor(base, new)
         pos = torch.nonzero(x).squeeze(1)
-        return pos, x[pos]
+        return pos, x.index_select(0, pos)
     b64, n64 = base.view(torch.int64), new.view(torch.int64)
     words = torch.nonzero(torch.ne(b64, n64)).squeeze(1)
-    xw = torch.bitwise_xor(b64[words], n64[words]).view(base.dtype)
+    # index_select: several times faster than tensor[index] for 1-D gathers
+    xw = torch.bitwise_xor(b64.index_select(0, words), n64.index_select(0, words))
+    xw = xw.view(base.dtype)
     inner = torch.nonzero(xw).squeeze(1)  # index into the changed words' elements
-    return words[inner // r] * r + inner % r, xw[inner]
+    shift = r.bit_length() - 1  # r is 1, 2, 4 or 8
+    pos = words.index_select(0, inner >> shift) * r + (inner & (r - 1))
+    return pos, xw.index_select(0, inner)
 
 
 def encode_chunk(
@@ -202,7 +206,7 @@ def encode_chunk(
         return None
     if k <= n * SPARSE_MAX_FRACTION:
         gaps = torch.diff(pos, prepend=pos.new_zeros(1)).to(torch.int32)
-        values = xvals if encoding == "xor" else new[pos]
+        values = xvals if encoding == "xor" else new.index_select(0, pos)
         raw = torch.cat([_shuffle(gaps), _shuffle(values)])
         layout: Literal["sparse", "dense"] = "sparse"
     else:
@@ -244,6 +248,5 @@ def apply_chunk(
         raise ValueError(f"malformed sparse chunk: position {int(pos[-1])} >= chunk size {n}")
     values = _unshuffle(buf[4 * changed :], target.dtype, changed)
     if encoding == "xor":
-        target[pos] = target[pos].bitwise_xor_(values)
-    else:
-        target[pos] = values
+        values = target.index_select(0, pos).bitwise_xor_(values)
+    target.index_copy_(0, pos, values)
