@@ -1,14 +1,21 @@
 """P2P transport throughput of miles-transfer vs a raw loopback socket copy of the same bytes.
 
 Why: the weight-update pause of a rollout rank is the time it takes to receive and re-shard its
-shards. This runs trainer and rollout ranks as separate processes on this host and measures,
-per transport, the rollout rank's receive time (the pause) for a full update, as GB/s and as
-seconds per GB, next to the peer: one process `sendall`-ing the same number of bytes to another
-over a loopback TCP socket in chunks of the bucket size (`recv_into` a preallocated buffer).
+shards. This runs trainer and rollout ranks as separate processes on this host and measures for
+rollout rank 0, per transport:
+  raw    : the peer; plain loopback sockets (default options) carrying the same messages
+           (`sendall` / `recv_into` preallocated buffers, one connection per sender)
+  alone  : the transport carrying the same messages, no re-sharding copies
+  update : a full P2P update (pack, transport, unpack into the rank's buffers): the pause,
+           also given as seconds per GB
 
 Transports: tcp, shm (same host), gloo (torch.distributed), mooncake (when installed; its TCP
 protocol here, RDMA on a cluster). The in-process transport has no process boundary and is not
-measured here. Every measured update is verified bit for bit on the last repetition.
+measured here.
+
+Per repetition (medians of --reps after one warm-up) the three run back to back in the same
+processes, so a loaded machine slows all three alike. A separate run checks the update bit
+for bit.
 
 Laptop / CI machine: python tools/bench/transfer_transport.py                 (about 1 minute)
 Re-sharding 2 -> 2:  python tools/bench/transfer_transport.py --src-ranks 2 --dst-tp 2
@@ -23,6 +30,7 @@ import os
 import socket
 import statistics
 import tempfile
+import threading
 import time
 
 import torch
@@ -37,12 +45,14 @@ from miles_transfer import (
     ShmTransport,
     TcpTransport,
     TorchDistributedTransport,
+    dst_peer,
     fsdp_layout,
     materialize,
     mooncake_available,
     plan_transfer,
     qwen3_params,
     sglang_layout,
+    src_peer,
     tensor_digest,
 )
 
@@ -60,37 +70,38 @@ def _shape(a: argparse.Namespace) -> ModelShape:
     )  # fmt: skip
 
 
-def _raw(rank: int, port: int, nbytes: int, chunk: int, reps: int, out: str) -> None:
-    torch.set_num_threads(1)
-    buf = torch.ones(nbytes, dtype=torch.uint8)
-    view = memoryview((ctypes.c_char * nbytes).from_address(buf.data_ptr())).cast("B")
-    times = []
-    if rank == 0:
-        srv = socket.create_server(("127.0.0.1", port))
-        conn, _ = srv.accept()
-        for _ in range(reps + 1):
-            conn.recv(1)  # receiver ready
-            t = time.perf_counter()
-            got = 0
-            while got < nbytes:
-                n = conn.recv_into(view[got : min(nbytes, got + chunk)])
-                got += n
-            times.append(time.perf_counter() - t)
-        torch.save(times[1:], out)
-    else:
-        while True:
-            try:
+class _RawSockets:
+    """The peer: plain loopback sockets (default options), one per (sender, receiver) pair."""
+
+    def __init__(self, store: dist.TCPStore, rank: int, n_src: int, world: int) -> None:
+        self.rank, self.conns = rank, {}
+        if rank >= n_src:  # receivers listen, senders connect
+            srv = socket.create_server(("127.0.0.1", 0))
+            store.set(f"raw/{rank}", str(srv.getsockname()[1]))
+            for _ in range(n_src):
+                conn, _ = srv.accept()
+                self.conns[int(conn.recv(4).decode())] = conn
+            srv.close()
+        else:
+            for d in range(n_src, world):
+                port = int(store.get(f"raw/{d}").decode())
                 conn = socket.create_connection(("127.0.0.1", port))
-                break
-            except ConnectionRefusedError:
-                time.sleep(0.05)
-        for _ in range(reps + 1):
-            conn.sendall(b"r")
-            for a in range(0, nbytes, chunk):
-                conn.sendall(view[a : a + chunk])
+                conn.sendall(f"{rank:4d}".encode())
+                self.conns[d] = conn
+
+    def send(self, peer: int, buf: torch.Tensor) -> None:
+        view = memoryview((ctypes.c_char * buf.numel()).from_address(buf.data_ptr())).cast("B")
+        self.conns[peer].sendall(view)
+
+    def recv(self, peer: int, buf: torch.Tensor) -> None:
+        view = memoryview((ctypes.c_char * buf.numel()).from_address(buf.data_ptr())).cast("B")
+        got = 0
+        while got < len(view):
+            got += self.conns[peer].recv_into(view[got:])
 
 
 def _p2p(rank: int, a: argparse.Namespace, kind: str, ports: tuple[int, int], out: str) -> None:
+    """One rank; per repetition: raw sockets, the transport alone, then the full P2P update."""
     torch.set_num_threads(1)
     m = _shape(a)
     params = qwen3_params(m)
@@ -104,29 +115,53 @@ def _p2p(rank: int, a: argparse.Namespace, kind: str, ports: tuple[int, int], ou
     else:
         cls = {"tcp": TcpTransport, "shm": ShmTransport, "mooncake": MooncakeTransport}[kind]
         transport = cls(store, rank, prefix=kind, timeout=300)
+    raw = _RawSockets(store, rank, src.world_size, world)
     plan = plan_transfer(src, dst)
     g = torch.Generator().manual_seed(0)
     full = {n: torch.randn(s.shape, generator=g).to(s.dtype) for n, s in params.items()}
-    times = []
+    times: dict[str, list[float]] = {"raw": [], "alone": [], "p2p": []}
+    bucket = a.bucket_mib << 20
     if rank < src.world_size:
         shards = materialize(src, rank, full)
-        sender = ShardSender(plan, rank, transport, bucket_bytes=a.bucket_mib << 20)
-        for _ in range(a.reps + 1):
-            store.get(f"go/{_}")  # start together
+        sender = ShardSender(plan, rank, transport, bucket_bytes=bucket)
+        biggest = max((p.nbytes for _, _, p in sender.items), default=0)
+        stage = torch.ones(biggest, dtype=torch.uint8)
+        for i in range(a.reps + 1):
+            for how, ep in (("raw", raw), ("alone", transport)):
+                store.get(f"{how}/{i}")  # start together
+                for d, _, prog in sender.items:  # the same messages, no re-sharding copies
+                    ep.send(dst_peer(plan, d), stage[: prog.nbytes])
+            store.get(f"p2p/{i}")
             sender.send(shards)
     else:
         d = rank - src.world_size
         bufs = dst.rank(d).allocate()
-        recv = ShardReceiver(plan, d, transport, bucket_bytes=a.bucket_mib << 20)
+        recv = ShardReceiver(plan, d, transport, bucket_bytes=bucket)
+        stages = {s: torch.zeros(max(p.nbytes for p in progs), dtype=torch.uint8)
+                  for s, progs in recv.per_source.items()}  # fmt: skip
+
+        def pull(ep: object, s: int) -> None:
+            for prog in recv.per_source[s]:
+                ep.recv(src_peer(plan, s), stages[s][: prog.nbytes])  # type: ignore[attr-defined]
+
         for i in range(a.reps + 1):
+            for how, ep in (("raw", raw), ("alone", transport)):
+                if d == 0:
+                    store.set(f"{how}/{i}", "1")
+                t = time.perf_counter()
+                threads = [threading.Thread(target=pull, args=(ep, s)) for s in stages]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+                times[how].append(time.perf_counter() - t)
             if d == 0:
-                store.set(f"go/{i}", "1")
+                store.set(f"p2p/{i}", "1")
             rep = recv.receive(bufs)
-            times.append(rep.seconds)
+            times["p2p"].append(rep.seconds)
             for b in bufs.values():
                 b.zero_()  # the next update must write everything again
-        ok = rep.bytes == plan.bytes_needed(d)
-        torch.save({"times": times[1:], "bytes": rep.bytes, "ok": ok,
+        torch.save({k: v[1:] for k, v in times.items()} | {"bytes": rep.bytes,
                     "buckets": len(rep.buckets)}, f"{out}.{d}")  # fmt: skip
     if kind == "gloo":
         dist.barrier()
@@ -206,13 +241,6 @@ def main() -> None:
           f"rollout rank 0 receives {per_rank / 2**20:.0f} MiB; "
           f"buckets {a.bucket_mib} MiB")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "raw")
-        mp.spawn(
-            _raw, args=(_port(), per_rank, a.bucket_mib << 20, a.reps, out), nprocs=2, join=True
-        )
-        raw = statistics.median(torch.load(out))
-        print(f"raw loopback socket, {per_rank / 2**20:.0f} MiB: {per_rank / raw / 1e9:.2f} GB/s "
-              f"({raw / (per_rank / 1e9):.2f} s/GB)")  # fmt: skip
         for kind in a.transports.split(","):
             if kind == "mooncake" and not mooncake_available():
                 print("mooncake: not installed (pip install 'miles-transfer[mooncake]'), skipped")
@@ -220,12 +248,14 @@ def main() -> None:
             out = os.path.join(tmp, kind)
             mp.spawn(_p2p, args=(a, kind, (_port(), _port()), out), nprocs=_world(a), join=True)
             res = torch.load(f"{out}.0")
-            t = statistics.median(res["times"])
+            n = res["bytes"]
+            raw, alone, p2p = (statistics.median(res[k]) for k in ("raw", "alone", "p2p"))
             verified = _verify(a, kind)
-            print(f"{kind}: rank 0 pause {t:.3f} s for {res['bytes'] / 2**20:.0f} MiB in "
-                  f"{res['buckets']} buckets = {res['bytes'] / t / 1e9:.2f} GB/s, "
-                  f"{t / (res['bytes'] / 1e9):.2f} s/GB, {raw / t * res['bytes'] / per_rank:.0%} "
-                  f"of raw socket; bit-exact {verified}")  # fmt: skip
+            print(f"{kind}: raw sockets {n / raw / 1e9:.2f} GB/s; transport alone "
+                  f"{n / alone / 1e9:.2f} GB/s = {raw / alone:.0%} of raw; full update (pause) "
+                  f"{p2p:.3f} s in {res['buckets']} buckets = {n / p2p / 1e9:.2f} GB/s = "
+                  f"{raw / p2p:.0%} of raw, {p2p / (n / 1e9):.2f} s/GB; "
+                  f"bit-exact {verified}")  # fmt: skip
 
 
 if __name__ == "__main__":
