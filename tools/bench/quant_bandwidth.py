@@ -14,8 +14,9 @@ in bf16, single-threaded and with all threads, and puts side by side in the same
 
 Every output buffer is written once before timing (first-touch page faults run at about
 0.7 GB/s on the project's VMs and would otherwise dominate) and reused. Methods run
-interleaved: each repeat times every method once, and the median repeat is reported (the
-machine may be shared). The table gives ratios to memcpy (same thread count) and to torchao.
+interleaved: each repeat times every method once; the table shows the best repeat of each
+(least disturbed when the machine is shared; ``--stat median`` for the median, the JSON has
+both). It gives ratios to memcpy (same thread count) and to torchao.
 
 Laptop:   python tools/bench/quant_bandwidth.py                # all shapes, ~3-6 min on 2 cores
           python tools/bench/quant_bandwidth.py --quick        # 4096x4096 only, ~1 min
@@ -61,10 +62,12 @@ class Method:
     threads: int
     fn: Callable[[], object]
     nbytes: int
+    slow_peer: bool = False  # timed at most --peer-repeat times, no warm-up (allocates anyway)
     times: list[float] = field(default_factory=list)
 
-    def gbps(self) -> float:
-        return self.nbytes / statistics.median(self.times) / 1e9
+    def gbps(self, stat: str = "best") -> float:
+        t = min(self.times) if stat == "best" else statistics.median(self.times)
+        return self.nbytes / t / 1e9
 
 
 def _nbytes(q: mq.QuantizedTensor) -> int:
@@ -140,7 +143,7 @@ def methods_for(
             )
     cast = _ml_dtypes_cast(x, fmt)
     if cast is not None:
-        ms.append(Method("ml_dtypes cast", 1, cast, x.nbytes + x.numel()))
+        ms.append(Method("ml_dtypes cast", 1, cast, x.nbytes + x.numel(), slow_peer=True))
     ao = _torchao()
     if ao is not None and mq.FORMATS[fmt].family in ("mx", "nvfp4"):
         mx, nvfp4, _ = ao
@@ -151,7 +154,7 @@ def methods_for(
             elem = torch.float4_e2m1fn_x2 if fmt == "mxfp4" else el.torch_dtype  # type: ignore[union-attr]
             fn = functools.partial(mx, x2, elem, rule or "floor")
         for t in threads:
-            ms.append(Method("torchao eager", t, fn, moved))
+            ms.append(Method("torchao eager", t, fn, moved, slow_peer=True))
     return ms
 
 
@@ -172,29 +175,31 @@ def run_shape(shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, obj
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for m in everything:  # warm up: allocate and page in every output once
-            torch.set_num_threads(m.threads)
-            m.fn()
-        for _ in range(args.repeat):  # interleaved
+            if not m.slow_peer:
+                torch.set_num_threads(m.threads)
+                m.fn()
+        for r in range(args.repeat):  # interleaved
             for m in everything:
+                if m.slow_peer and r >= args.peer_repeat:
+                    continue
                 torch.set_num_threads(m.threads)
                 t0 = time.perf_counter()
                 m.fn()
                 m.times.append(time.perf_counter() - t0)
     torch.set_num_threads(args.threads)
-    mc = {m.threads: m.gbps() for m in memcpy}
-    rows = {}
-    for label, ms in per_format.items():
-        row: dict[str, float] = {}
-        for m in ms:
-            row[f"{m.name} {m.threads}t"] = m.gbps()
-        rows[label] = row
-    return {"shape": list(shape), "memcpy": mc, "formats": rows}
+    out: dict[str, object] = {"shape": list(shape)}
+    for stat in ("best", "median"):
+        rows = {label: {f"{m.name} {m.threads}t": m.gbps(stat) for m in ms}
+                for label, ms in per_format.items()}  # fmt: skip
+        out[stat] = {"memcpy": {m.threads: m.gbps(stat) for m in memcpy}, "formats": rows}
+    return out
 
 
-def print_table(res: dict[str, object], threads: list[int]) -> None:
+def print_table(res: dict[str, object], threads: list[int], stat: str) -> None:
     shape = "x".join(str(s) for s in res["shape"])  # type: ignore[attr-defined]
-    mc: dict[int, float] = res["memcpy"]  # type: ignore[assignment]
-    print(f"\n### {shape} bf16   memcpy: " + ", ".join(f"{t}t {v:.1f} GB/s" for t, v in mc.items()))
+    mc: dict[int, float] = res[stat]["memcpy"]  # type: ignore[index]
+    memcpy = ", ".join(f"{t}t {v:.1f} GB/s" for t, v in mc.items())
+    print(f"\n### {shape} bf16 ({stat} of the repeats)   memcpy: {memcpy}")
     t1, tn = threads[0], threads[-1]
     cols = [f"native {t1}t", f"native {tn}t", f"torch cast {t1}t", f"ml_dtypes cast {t1}t",
             f"torchao eager {t1}t", f"torchao eager {tn}t"]  # fmt: skip
@@ -203,7 +208,7 @@ def print_table(res: dict[str, object], threads: list[int]) -> None:
              f"native/torchao {tn}t"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head))
-    for label, row in res["formats"].items():  # type: ignore[attr-defined]
+    for label, row in res[stat]["formats"].items():  # type: ignore[index]
         cells = [label] + [f"{row[c]:.2f}" if c in row else "-" for c in cols]
         cells.append(f"{row[f'native {t1}t'] / mc[t1]:.2f}")
         cells.append(f"{row[f'native {tn}t'] / mc[tn]:.2f}")
@@ -219,8 +224,16 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="4096x4096 only")
     p.add_argument("--formats", nargs="*", default=[], help="format names (default: all)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="'all threads'")
-    p.add_argument("--repeat", type=int, default=3, help="interleaved repeats (median kept)")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved repeats")
+    p.add_argument(
+        "--peer-repeat", type=int, default=2,
+        help="repeats of the slow peers (torchao eager, ml_dtypes: 10-100x slower)",
+    )  # fmt: skip
     p.add_argument("--reference", action="store_true", help="also time the PyTorch reference")
+    p.add_argument(
+        "--stat", choices=["best", "median"], default="best",
+        help="which repeat the table shows (best: least disturbed by other jobs; JSON has both)",
+    )  # fmt: skip
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args()
     if args.quick:
@@ -234,7 +247,7 @@ def main() -> None:
     results = []
     for name in args.shapes:
         res = run_shape(SHAPES[name], args)
-        print_table(res, threads)
+        print_table(res, threads, args.stat)
         results.append(res)
     load1 = os.getloadavg()
     print(f"\nload average at end {load1[0]:.2f} (1 min), {load1[1]:.2f} (5 min)")
