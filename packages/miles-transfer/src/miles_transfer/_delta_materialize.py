@@ -1,7 +1,8 @@
 """Materialize the checkpoint a disk delta makes from its base (into a new directory).
 
 Every result tensor is rebuilt from the base and the delta's chunks and checked against its
-xxh3-128 checksum (an xor delta also checks the base's) before the directory is published;
+xxh3-128 checksum before the directory is published (an xor delta applied to the wrong base,
+or twice, fails that check; the base is then hashed to say which);
 on any error nothing is left behind. ``materialize_checkpoint`` with ``out=None`` is a dry run
 (``verify_delta``) and can hand back the changed tensors (engine-side apply).
 """
@@ -99,18 +100,6 @@ def _tensor_result(
     else:
         out = base.read(name, writable=t["op"] == "patch")
         enc = encoding
-        if t["op"] == "patch" and encoding == "xor":
-            have = checksum(out)
-            if have != t["base_checksum"]:
-                state = (
-                    "already holds this delta's result (an xor delta applies exactly once)"
-                    if have == t["checksum"]
-                    else "is neither the delta's base nor its result"
-                )
-                raise DeltaBaseError(
-                    f"{base.path}: tensor {name} {state}; refusing to apply xor delta {delta} "
-                    f"(made from base version {base_version!r})"
-                )
     if t["op"] != "keep":
         view = int_view(out)
         n = t["chunk_elems"]
@@ -121,6 +110,19 @@ def _tensor_result(
             except (ValueError, IndexError, RuntimeError) as e:
                 raise ValueError(f"{delta}: chunk {index} of {name} is corrupted: {e}") from e
     if checksum(out) != t["checksum"]:
+        if t["op"] == "patch" and encoding == "xor":
+            # The result checksum guards every case; the base is hashed only to say why.
+            have = checksum(base.read(name))
+            if have != t["base_checksum"]:
+                state = (
+                    "already holds this delta's result (an xor delta applies exactly once)"
+                    if have == t["checksum"]
+                    else "is neither the delta's base nor its result"
+                )
+                raise DeltaBaseError(
+                    f"{base.path}: tensor {name} {state}; refusing to apply xor delta {delta} "
+                    f"(made from base version {base_version!r})"
+                )
         what = "the patched tensor" if t["op"] != "keep" else "the unchanged tensor"
         raise DeltaBaseError(
             f"{base.path}: {what} {name} does not match the delta's result checksum; the "
