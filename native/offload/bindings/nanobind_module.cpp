@@ -1,7 +1,8 @@
 // The one binding file: miles_offload._ext, a thin nanobind layer over the pager (pager.h).
 // Buffers arrive as integer addresses (tensor.data_ptr()) and sizes; the Python wrapper
 // (miles_offload/_pager.py) checks alignment and bounds. Transfers and checksums run without the
-// GIL. I/O errors come back as a positive errno (0 on success) so that Python raises OSError.
+// GIL. I/O errors come back as a positive errno (0 on success) so that Python raises OSError;
+// read/write return (errno, CRC-32C of the requested part, computed while the I/O runs).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -77,18 +78,40 @@ NB_MODULE(_ext, m) {
           nb::arg("buffers"))
       .def(
           "read",
-          [](Pager& p, int fd, uint64_t offset, uintptr_t address, std::size_t len) {
-            nb::gil_scoped_release release;
-            return guarded([&] { p.read(fd, offset, ptr(address), len); });
+          [](Pager& p, int fd, uint64_t offset, uintptr_t address, std::size_t len,
+             int64_t crc_from) {
+            uint32_t crc = 0;
+            int rc;
+            {
+              nb::gil_scoped_release release;
+              rc = guarded([&] {
+                p.read(fd, offset, ptr(address), len, crc_from >= 0 ? &crc : nullptr,
+                       crc_from >= 0 ? static_cast<std::size_t>(crc_from) : 0);
+              });
+            }
+            return std::make_pair(rc, crc);
           },
-          nb::arg("fd"), nb::arg("offset"), nb::arg("address"), nb::arg("length"))
+          nb::arg("fd"), nb::arg("offset"), nb::arg("address"), nb::arg("length"),
+          nb::arg("crc_from") = -1,
+          "Returns (errno or 0, CRC-32C of bytes [crc_from, length) when crc_from >= 0).")
       .def(
           "write",
-          [](Pager& p, int fd, uint64_t offset, uintptr_t address, std::size_t len) {
-            nb::gil_scoped_release release;
-            return guarded([&] { p.write(fd, offset, ptr(address), len); });
+          [](Pager& p, int fd, uint64_t offset, uintptr_t address, std::size_t len,
+             int64_t crc_from) {
+            uint32_t crc = 0;
+            int rc;
+            {
+              nb::gil_scoped_release release;
+              rc = guarded([&] {
+                p.write(fd, offset, ptr(address), len, crc_from >= 0 ? &crc : nullptr,
+                       crc_from >= 0 ? static_cast<std::size_t>(crc_from) : 0);
+              });
+            }
+            return std::make_pair(rc, crc);
           },
-          nb::arg("fd"), nb::arg("offset"), nb::arg("address"), nb::arg("length"))
+          nb::arg("fd"), nb::arg("offset"), nb::arg("address"), nb::arg("length"),
+          nb::arg("crc_from") = -1,
+          "Returns (errno or 0, CRC-32C of bytes [crc_from, length) when crc_from >= 0).")
       .def("stats", [](const Pager& p) {
         const PagerStats s = p.stats();
         nb::dict d;

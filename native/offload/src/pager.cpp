@@ -141,7 +141,22 @@ struct Pager::Impl {
     return -1;
   }
 
-  void uring_xfer(int fd, uint64_t offset, char* buf, std::size_t len, bool write) {
+  void uring_xfer(int fd, uint64_t offset, char* buf, std::size_t len, bool write,
+                  uint32_t* crc, std::size_t crc_from) {
+    // Checksum state: bytes [crc_from, crc_pos) are folded into `running`. Reads advance it over
+    // the blocks that have completed contiguously; writes checksum a block before submitting it.
+    const std::size_t bs = opt.block_size;
+    const std::size_t nblocks = (len + bs - 1) / bs;
+    std::vector<char> block_done(crc != nullptr && !write ? nblocks : 0, 0);
+    std::size_t crc_pos = crc_from;
+    uint32_t running = 0;
+    auto fold = [&](std::size_t upto) {
+      if (upto > crc_pos) {
+        running = crc32c(running, buf + crc_pos, upto - crc_pos);
+        crc_pos = upto;
+      }
+    };
+    std::size_t first_pending = 0;  // reads: first block not yet known complete
     struct Slot {
       std::size_t pos = 0;
       std::size_t left = 0;
@@ -178,6 +193,7 @@ struct Pager::Impl {
         slots[s].pos = next;
         slots[s].left = std::min(opt.block_size, len - next);
         next += slots[s].left;
+        if (crc != nullptr && write) fold(next);
         prep(s);
         ++inflight;
       }
@@ -208,26 +224,54 @@ struct Pager::Impl {
         } else {
           --inflight;
           free_slots.push_back(s);
+          if (!block_done.empty()) block_done[(slots[s].pos + slots[s].left - 1) / bs] = 1;
         }
       }
       io_uring_cq_advance(&ring, seen);
+      if (!block_done.empty() && err == 0) {
+        // Refill first so the disk stays busy, then checksum what has arrived in order.
+        while (inflight < qd && next < len) {
+          const unsigned s = free_slots.back();
+          free_slots.pop_back();
+          slots[s].pos = next;
+          slots[s].left = std::min(opt.block_size, len - next);
+          next += slots[s].left;
+          prep(s);
+          ++inflight;
+        }
+        if (io_uring_sq_ready(&ring) > 0) {
+          io_uring_submit(&ring);
+          ++st.submit_calls;
+        }
+        while (first_pending < nblocks && block_done[first_pending]) ++first_pending;
+        fold(std::min(len, first_pending * bs));
+      }
     }
     if (err != 0) fail(err, write);
+    if (crc != nullptr) {
+      fold(len);
+      *crc = running;
+    }
   }
 #endif
 
-  void xfer(int fd, uint64_t offset, char* buf, std::size_t len, bool write) {
+  void xfer(int fd, uint64_t offset, char* buf, std::size_t len, bool write, uint32_t* crc,
+            std::size_t crc_from) {
     std::lock_guard<std::mutex> lock(call_mu);
+    if (crc != nullptr) *crc = 0;
+    crc_from = std::min(crc_from, len);
     if (len == 0) return;
 #ifdef MILES_OFFLOAD_HAVE_URING
     if (backend == Backend::io_uring) {
-      uring_xfer(fd, offset, buf, len, write);
-    } else {
-      pool_xfer(fd, offset, buf, len, write);
+      uring_xfer(fd, offset, buf, len, write, crc, crc_from);
+      (write ? st.bytes_written : st.bytes_read) += len;
+      return;
     }
-#else
-    pool_xfer(fd, offset, buf, len, write);
 #endif
+    // Thread pool: checksum before a write, after a read (no overlap).
+    if (crc != nullptr && write) *crc = crc32c(0, buf + crc_from, len - crc_from);
+    pool_xfer(fd, offset, buf, len, write);
+    if (crc != nullptr && !write) *crc = crc32c(0, buf + crc_from, len - crc_from);
     (write ? st.bytes_written : st.bytes_read) += len;
   }
 };
@@ -301,12 +345,15 @@ int Pager::register_buffers(const std::vector<std::pair<void*, std::size_t>>& bu
 #endif
 }
 
-void Pager::read(int fd, uint64_t offset, void* buf, std::size_t len) {
-  impl_->xfer(fd, offset, static_cast<char*>(buf), len, false);
+void Pager::read(int fd, uint64_t offset, void* buf, std::size_t len, uint32_t* crc,
+                 std::size_t crc_from) {
+  impl_->xfer(fd, offset, static_cast<char*>(buf), len, false, crc, crc_from);
 }
 
-void Pager::write(int fd, uint64_t offset, const void* buf, std::size_t len) {
-  impl_->xfer(fd, offset, const_cast<char*>(static_cast<const char*>(buf)), len, true);
+void Pager::write(int fd, uint64_t offset, const void* buf, std::size_t len, uint32_t* crc,
+                  std::size_t crc_from) {
+  impl_->xfer(fd, offset, const_cast<char*>(static_cast<const char*>(buf)), len, true, crc,
+              crc_from);
 }
 
 PagerStats Pager::stats() const {

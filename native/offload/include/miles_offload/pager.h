@@ -52,8 +52,13 @@ class Pager {
   int register_buffers(const std::vector<std::pair<void*, std::size_t>>& buffers);
 
   // Blocking transfers; throw std::system_error on an I/O error or an unexpected end of file.
-  void read(int fd, uint64_t offset, void* buf, std::size_t len);
-  void write(int fd, uint64_t offset, const void* buf, std::size_t len);
+  // With `crc` non-null, also compute the CRC-32C of buf[crc_from, len) into *crc, overlapped
+  // with the I/O: with io_uring a read checksums the blocks that have arrived while later ones
+  // are in flight, and a write checksums each block just before submitting it.
+  void read(int fd, uint64_t offset, void* buf, std::size_t len, uint32_t* crc = nullptr,
+            std::size_t crc_from = 0);
+  void write(int fd, uint64_t offset, const void* buf, std::size_t len, uint32_t* crc = nullptr,
+             std::size_t crc_from = 0);
 
   PagerStats stats() const;
 

@@ -61,15 +61,21 @@ def encode_header(
     desc: list[dict],
     steps: list[float],
     generation: int,
+    payload_crc: int | None = None,
 ) -> None:
-    """Write the header of ``bucket`` into ``buf[:header_bytes]`` (checksums the payload)."""
-    payload = buf[bucket.header_bytes : bucket.nbytes]
+    """Write the header of ``bucket`` into ``buf[:header_bytes]``.
+
+    ``payload_crc`` is the payload's CRC-32C when the caller has it (the pager computes it while
+    writing); else it is computed here.
+    """
+    if payload_crc is None:
+        payload_crc = crc32c(buf[bucket.header_bytes : bucket.nbytes])
     meta = {
         "bucket": bucket.index,
         "generation": generation,
         "moment_dtype": str(bucket.moment_dtype).removeprefix("torch."),
         "payload_bytes": bucket.payload_bytes,
-        "payload_crc32c": crc32c(payload),
+        "payload_crc32c": payload_crc,
         "segments": desc,
         "steps": steps,
     }
@@ -86,12 +92,19 @@ def encode_header(
 
 
 def decode_header(
-    buf: torch.Tensor, bucket: Bucket, desc: list[dict], where: str, *, verify_payload: bool
+    buf: torch.Tensor,
+    bucket: Bucket,
+    desc: list[dict],
+    where: str,
+    *,
+    verify_payload: bool,
+    payload_crc: int | None = None,
 ) -> dict[str, Any]:
     """Parse and check the header in ``buf``; return its JSON record.
 
     Checks the magic, version, sizes, the JSON checksum, that the recorded layout is
-    ``desc``, and (with ``verify_payload``) the payload checksum.
+    ``desc``, and (with ``verify_payload``) the payload checksum: ``payload_crc`` when the
+    caller has it (the pager computes it while reading), else computed here.
 
     Raises:
         CorruptStateError: any check failed; the message names ``where`` and the check.
@@ -128,7 +141,9 @@ def decode_header(
     if meta["payload_bytes"] != bucket.payload_bytes:
         raise CorruptStateError(f"{where}: payload size {meta['payload_bytes']} is unexpected")
     if verify_payload:
-        got = crc32c(buf[bucket.header_bytes : bucket.nbytes])
+        got = payload_crc
+        if got is None:
+            got = crc32c(buf[bucket.header_bytes : bucket.nbytes])
         if got != meta["payload_crc32c"]:
             raise CorruptStateError(
                 f"{where}: payload checksum mismatch (stored {meta['payload_crc32c']:#010x}, "

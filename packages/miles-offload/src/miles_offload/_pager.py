@@ -199,25 +199,36 @@ class Pager:
             )
         return n
 
-    def read(self, fd: int, offset: int, buf: torch.Tensor) -> None:
-        """Fill ``buf`` from ``fd`` at ``offset``; OSError on I/O errors or a short file."""
+    def read(self, fd: int, offset: int, buf: torch.Tensor, *, crc_from: int = -1) -> int:
+        """Fill ``buf`` from ``fd`` at ``offset``; OSError on I/O errors or a short file.
+
+        With ``crc_from >= 0`` returns the CRC-32C of ``buf[crc_from:]`` (io_uring computes it
+        over the blocks that have arrived while later ones are in flight); else 0.
+        """
         n = self._check(offset, buf)
         if self._impl is not None:
-            rc = self._impl.read(fd, offset, buf.data_ptr(), n)
+            rc, crc = self._impl.read(fd, offset, buf.data_ptr(), n, crc_from)
             if rc:
                 raise OSError(rc, f"miles_offload pager read of {n} bytes: {os.strerror(rc)}")
-        else:
-            self._python_xfer(fd, offset, buf, n, write=False)
+            return int(crc)
+        self._python_xfer(fd, offset, buf, n, write=False)
+        return crc32c(buf[crc_from:]) if crc_from >= 0 else 0
 
-    def write(self, fd: int, offset: int, buf: torch.Tensor) -> None:
-        """Write ``buf`` to ``fd`` at ``offset``; OSError on I/O errors."""
+    def write(self, fd: int, offset: int, buf: torch.Tensor, *, crc_from: int = -1) -> int:
+        """Write ``buf`` to ``fd`` at ``offset``; OSError on I/O errors.
+
+        With ``crc_from >= 0`` returns the CRC-32C of ``buf[crc_from:]`` (io_uring computes each
+        block's share just before submitting it, while earlier blocks are in flight); else 0.
+        """
         n = self._check(offset, buf)
         if self._impl is not None:
-            rc = self._impl.write(fd, offset, buf.data_ptr(), n)
+            rc, crc = self._impl.write(fd, offset, buf.data_ptr(), n, crc_from)
             if rc:
                 raise OSError(rc, f"miles_offload pager write of {n} bytes: {os.strerror(rc)}")
-        else:
-            self._python_xfer(fd, offset, buf, n, write=True)
+            return int(crc)
+        crc = crc32c(buf[crc_from:]) if crc_from >= 0 else 0
+        self._python_xfer(fd, offset, buf, n, write=True)
+        return crc
 
     def _python_xfer(self, fd: int, offset: int, buf: torch.Tensor, n: int, write: bool) -> None:
         assert self._pool is not None

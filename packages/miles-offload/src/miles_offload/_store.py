@@ -178,8 +178,8 @@ class NvmeStore:
                 "cannot be recovered from this directory"
             )
         n = b.nbytes if verify else b.header_bytes
-        self._readp.read(fd, 0, buf[:n])
-        meta = decode_header(buf, b, self._descs[i], where, verify_payload=verify)
+        crc = self._readp.read(fd, 0, buf[:n], crc_from=b.header_bytes if verify else -1)
+        meta = decode_header(buf, b, self._descs[i], where, verify_payload=verify, payload_crc=crc)
         if meta["generation"] != entry["generation"]:
             raise CorruptStateError(
                 f"{where}: generation {meta['generation']}, the manifest expects "
@@ -191,11 +191,14 @@ class NvmeStore:
         b = self.buckets[i]
         slot = 1 - self._manifest["buckets"][i]["slot"]
         steps = [float(self._steps[s.param]) for s in b.segments]
-        encode_header(buf, b, self._descs[i], steps, generation)
         fd = self._fd(i, slot, create=True)
         if os.fstat(fd).st_size != b.nbytes:
             os.ftruncate(fd, b.nbytes)
-        self._writep.write(fd, 0, buf[: b.nbytes])
+        # The payload first (the pager checksums it on the way), then the header with that sum.
+        payload = buf[b.header_bytes : b.nbytes]
+        crc = self._writep.write(fd, b.header_bytes, payload, crc_from=0)
+        encode_header(buf, b, self._descs[i], steps, generation, payload_crc=crc)
+        self._writep.write(fd, 0, buf[: b.header_bytes])
         if self._durable:  # here, in the writer thread, it overlaps the next bucket's update
             os.fdatasync(fd)
         if self._after_write is not None:
