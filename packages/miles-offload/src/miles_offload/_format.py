@@ -141,12 +141,11 @@ def decode_header(
     if meta["payload_bytes"] != bucket.payload_bytes:
         raise CorruptStateError(f"{where}: payload size {meta['payload_bytes']} is unexpected")
     if verify_payload:
-        got = payload_crc
-        if got is None:
-            got = crc32c(buf[bucket.header_bytes : bucket.nbytes])
-        if got != meta["payload_crc32c"]:
+        if payload_crc is None:
+            payload_crc = crc32c(buf[bucket.header_bytes : bucket.nbytes])
+        if payload_crc != meta["payload_crc32c"]:
             raise CorruptStateError(
                 f"{where}: payload checksum mismatch (stored {meta['payload_crc32c']:#010x}, "
-                f"computed {got:#010x}): the optimizer state in this file is corrupted"
+                f"computed {payload_crc:#010x}): the optimizer state in this file is corrupted"
             )
     return meta
