@@ -374,9 +374,26 @@ static inline __m512i nvfp4_codes(__m512i amax, __m512 sg, __m512 inv, __m512* f
 template <DType D>
 static inline void nvfp4_batch256(const typename In<D>::T* x, __m512 sg, __m512 inv, uint8_t* scales, uint8_t* out) {
   __m512i m[16];
-  for (int k = 0; k < 16; ++k) m[k] = simd::abs_bits(simd::load<D>(x + 16 * k, 0xFFFF));
+  __m512i amax;
+  if constexpr (D == DType::f32) {
+    for (int k = 0; k < 16; ++k) m[k] = simd::abs_bits(_mm512_loadu_ps(x + 16 * k));
+    amax = simd::reduce16(m);
+  } else {
+    // Two blocks per load; reduce the |x| bits as 16-bit values (they order like the values)
+    // and widen the 16 maxima once.
+    for (int k = 0; k < 16; k += 2) {
+      const __m512i h = _mm512_and_si512(_mm512_loadu_si512(x + 16 * k), _mm512_set1_epi16(0x7FFF));
+      m[k] = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(h));
+      m[k + 1] = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1));
+    }
+    const __m512i h16 = simd::reduce16(m);
+    if constexpr (D == DType::bf16)
+      amax = _mm512_slli_epi32(h16, 16);
+    else
+      amax = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h16)));
+  }
   __m512 factor;
-  const __m512i code = nvfp4_codes(simd::reduce16(m), sg, inv, &factor);
+  const __m512i code = nvfp4_codes(amax, sg, inv, &factor);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(code));
   for (int k = 0; k < 16; ++k) {
     const __m512 v = _mm512_mul_ps(simd::load<D>(x + 16 * k, 0xFFFF), simd::lane(factor, k));
