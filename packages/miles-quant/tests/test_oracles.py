@@ -187,3 +187,48 @@ def test_swizzle_equals_torchao_to_blocked(shape: tuple[int, int]) -> None:
     ours = mq.swizzle_scales(s)
     assert torch.equal(ours.reshape(-1), to_blocked(s))
     assert torch.equal(mq.unswizzle_scales(ours, *shape), s)
+
+
+# ---- where the contract deliberately differs from torchao (docs/contract.md, section 6) ------
+
+
+@pytest.mark.parametrize("fmt", sorted(MX))
+def test_non_finite_blocks_poison_where_torchao_saturates(fmt: str) -> None:
+    el = ELEMENTS[{"mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2", "mxfp4": "e2m1"}[fmt]]
+    x = torch.ones(3, 32)
+    x[0, 3] = float("inf")
+    x[1, 5] = float("nan")
+    # torchao: an Inf block gets FLOOR code 255 - emax (RCEIL 254) and Inf becomes +max; a NaN
+    # block gets the NaN scale. We poison both: scale 0xFF, the element NaN code (or +0).
+    s_floor, d_floor = _torchao_mx(x, fmt, "floor")
+    s_rceil, _ = _torchao_mx(x, fmt, "rceil")
+    assert s_floor[:2, 0].tolist() == [255 - el.emax, 255]
+    assert s_rceil[:2, 0].tolist() == [254, 255]
+    if el.torch_dtype is not None:
+        assert d_floor[0, 3].item() == el.max_code
+    for rule in ("floor", "rceil", "even"):
+        q = mq.quantize(x, fmt, scale_rule=rule)
+        s_ao, d_ao = _torchao_mx(x, fmt, rule)
+        assert bits(q.scales).reshape(3, -1)[:2, 0].tolist() == [255, 255]
+        # The finite block is the same as torchao's.
+        assert bits(q.scales)[-1].item() == s_ao.reshape(-1)[-1].item()
+        assert torch.equal(bits(q.data[2]), d_ao[2].reshape(-1))
+        codes = q.data.view(torch.uint8)[:2]
+        assert (codes == (el.nan_code if el.torch_dtype is not None else 0)).all()
+        assert torch.isnan(mq.dequantize(q)[:2]).all()
+
+
+def test_an_all_zero_tensor_gets_finite_nvfp4_scales_where_torchao_gets_nan() -> None:
+    z = torch.zeros(4, 32)
+    pts = per_tensor_amax_to_scale(z.abs().amax())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s, _ = nvfp4_quantize(z, 16, pts)
+    assert pts.item() == 0
+    assert torch.isnan(s.float()).all()  # 0 / 0 block scales
+    q = mq.quantize(z, "nvfp4")
+    assert q.global_scale is not None
+    assert q.global_scale.item() == torch.tensor(1e-10 / 2688, dtype=torch.float32).item()
+    assert (bits(q.scales) == 0x08).all()  # the 2^-6 block-scale floor
+    assert (q.data == 0).all()
+    assert torch.equal(mq.dequantize(q), z)
