@@ -11,6 +11,7 @@ from p2p_testutil import DENSE, MOE, random_bits
 from miles_transfer import (
     Layout,
     ModelShape,
+    ParamSpec,
     TransferPlan,
     fsdp_layout,
     materialize,
@@ -20,6 +21,7 @@ from miles_transfer import (
     replicated_layout,
     reshard_local,
     sglang_layout,
+    split_layout,
 )
 
 
@@ -252,3 +254,22 @@ def test_model_shape_from_a_transformers_config():
     for n, spec in specs.items():
         if ".experts." not in n:
             assert names[n] == spec, n
+
+
+def test_split_layout_any_model_column_and_row_parallel():
+    params = {
+        "fc1.weight": ParamSpec((8, 6), torch.bfloat16),
+        "fc1.bias": ParamSpec((8,), torch.bfloat16),
+        "fc2.weight": ParamSpec((5, 8), torch.bfloat16),
+        "fc2.bias": ParamSpec((5,), torch.bfloat16),
+    }
+    dims = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}
+    for tp in (1, 2, 4, 8):
+        dst = split_layout(params, tp, dims, dp=2)
+        assert dst.rank(1).as_dict()["fc2.weight"].shape == (5, 8 // tp)
+        for src in (fsdp_layout(params, 3), split_layout(params, 2, {"fc1.weight": 1})):
+            assert_exact(plan_transfer(src, dst), random_bits(params, tp))
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        split_layout(params, 3, dims)
+    with pytest.raises(ValueError, match=r"does not have: \['fc3.weight'\]"):
+        split_layout(params, 2, {"fc3.weight": 0})

@@ -30,6 +30,7 @@ from miles_transfer._layout_models import (
     qwen3_params,
     replicated_layout,
     shard_dim0,
+    split_layout,
 )
 from miles_transfer._layout_sglang import sglang_layout
 from miles_transfer._module_receiver import ModuleReceiver
@@ -151,6 +152,7 @@ __all__ = [
     "serialize_named_tensors",
     "sglang_layout",
     "shard_dim0",
+    "split_layout",
     "src_peer",
     "tensor_digest",
     "unpack",

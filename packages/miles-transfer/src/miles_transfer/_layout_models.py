@@ -18,7 +18,14 @@ import torch
 
 from miles_transfer._layout import Layout, LocalTensor, ParamSpec, Piece, make_layout
 
-__all__ = ["ModelShape", "fsdp_layout", "qwen3_params", "replicated_layout", "shard_dim0"]
+__all__ = [
+    "ModelShape",
+    "fsdp_layout",
+    "qwen3_params",
+    "replicated_layout",
+    "shard_dim0",
+    "split_layout",
+]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -178,3 +185,46 @@ def _cut_rows(lt: LocalTensor, a: int, b: int) -> tuple[Piece, ...]:
 def fsdp_layout(params: Mapping[str, ParamSpec], world_size: int) -> Layout:
     """FSDP2 (`fully_shard`, Shard(0)) over world_size ranks; local names are HF names."""
     return shard_dim0(replicated_layout(params, 1), world_size, kind=f"fsdp(ws={world_size})")
+
+
+def split_layout(
+    params: Mapping[str, ParamSpec], tp: int, dims: Mapping[str, int | None], *, dp: int = 1
+) -> Layout:
+    """Any model's tensor-parallel layout: each parameter split evenly along one dimension.
+
+    Args:
+        params: HF name -> ParamSpec.
+        tp: ranks per replica; rank `r * tp + t` of `dp` replicas holds slice t.
+        dims: HF name -> the dimension split over TP (0: column parallel for a Linear weight,
+            1: row parallel), or None to replicate; names not listed are replicated. Local
+            tensor names are the HF names.
+
+    Raises:
+        ValueError: a split dimension is not divisible by tp, or dims names an unknown parameter.
+    """
+    if tp < 1 or dp < 1:
+        raise ValueError(f"tp and dp must be >= 1, got tp={tp}, dp={dp}")
+    unknown = sorted(set(dims) - set(params))
+    if unknown:
+        raise ValueError(f"split_layout: dims names parameters the model does not have: {unknown}")
+    ranks: list[dict[str, LocalTensor]] = []
+    for _ in range(dp):
+        for t in range(tp):
+            r: dict[str, LocalTensor] = {}
+            for name, spec in params.items():
+                d = dims.get(name)
+                if d is None:
+                    r[name] = whole(name, spec)
+                    continue
+                if not 0 <= d < len(spec.shape) or spec.shape[d] % tp:
+                    raise ValueError(
+                        f"split_layout: {name!r} of shape {spec.shape} cannot be split evenly "
+                        f"along dim {d} over {tp} ranks"
+                    )
+                n = spec.shape[d] // tp
+                start = tuple(t * n if k == d else 0 for k in range(len(spec.shape)))
+                size = tuple(n if k == d else s for k, s in enumerate(spec.shape))
+                zeros = (0,) * len(spec.shape)
+                r[name] = LocalTensor(size, spec.dtype, (Piece(name, start, size, zeros),))
+            ranks.append(r)
+    return make_layout(f"split(tp={tp},dp={dp})", params, ranks)
