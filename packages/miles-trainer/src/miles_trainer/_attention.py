@@ -59,9 +59,12 @@ def gqa_eager_attention(
     G = H // KV
     # Head h uses kv head h // G (HF's repeat_kv), so [B, H, L, D] -> [B, KV, G * L, D].
     q_BKQD = query.reshape(B, KV, G * L, D)
-    scores = torch.matmul(q_BKQD, key.transpose(2, 3)) * scaling  # [B, KV, G * L, L]
+    scores = torch.matmul(q_BKQD, key.transpose(2, 3))  # [B, KV, G * L, L]
+    # In place (the same bits as ``* scaling`` and ``masked_fill``): neither op's backward
+    # needs the scores, and each out-of-place copy was a full pass over B x H x L x L.
+    scores.mul_(scaling)
     future_LL = torch.ones(L, L, dtype=torch.bool, device=query.device).triu_(1)
-    scores = scores.view(B, KV, G, L, L).masked_fill(future_LL, float("-inf"))
+    scores = scores.view(B, KV, G, L, L).masked_fill_(future_LL, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     out_BKQD = torch.matmul(probs.view(B, KV, G * L, L), value)
     return out_BKQD.view(B, H, L, D).transpose(1, 2).contiguous(), None

@@ -23,6 +23,7 @@ from miles_trainer._checkpoint import broadcast_ok, gather_full_state_dict, writ
 from miles_trainer._config import TrainerConfig
 from miles_trainer._logprobs import response_logprobs
 from miles_trainer._losses import policy_loss
+from miles_trainer._malloc import keep_freed_memory
 from miles_trainer._optim import build_offload_optimizer
 from miles_trainer._parallelize import (
     MixedPrecisionCopy,
@@ -31,6 +32,7 @@ from miles_trainer._parallelize import (
     load_model,
 )
 from miles_trainer._qat import apply_qat
+from miles_trainer._rmsnorm import use_fast_rms_norm
 
 __all__ = ["FSDPTrainer"]
 
@@ -112,6 +114,13 @@ class FSDPTrainer:
             ref_path = config.ref_model_path or config.model_path
             what = "ref_model_path" if config.ref_model_path else "model_path"
             self._ref = load_model(ref_path, what, attn_implementation=attn, trainable=False)
+        if dtype != torch.float32 and self._device.type == "cpu":
+            # Low precision on CPU: GEMMs are cheap, elementwise passes are not (_rmsnorm.py).
+            use_fast_rms_norm(self._model)
+            if self._ref is not None:
+                use_fast_rms_norm(self._ref)
+        if self._device.type == "cpu":
+            keep_freed_memory()  # reuse activation memory instead of page-faulting it in
         self._mp: MixedPrecisionCopy | None = None
         if self._sharded:
             apply_fsdp(self._model, self._mesh, dtype)

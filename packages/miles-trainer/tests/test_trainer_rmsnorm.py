@@ -1,0 +1,77 @@
+"""The trainer's low-precision RMSNorm against transformers' module, and the malloc setting."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_trainer._malloc import keep_freed_memory
+from miles_trainer._rmsnorm import RMSNormFunction, use_fast_rms_norm
+
+
+def _hf_norm(hidden: int, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    torch.manual_seed(0)
+    norm = Qwen3RMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(hidden))
+    return norm.to(dtype)
+
+
+@pytest.mark.parametrize("shape", [(4, 33, 96), (4, 33, 3, 32)])
+def test_forward_bits_equal_transformers_and_backward_is_close(shape: tuple[int, ...]) -> None:
+    hf = _hf_norm(shape[-1], torch.bfloat16)
+    x = (3 * torch.randn(shape)).to(torch.bfloat16)
+    grad = torch.randn(shape).to(torch.bfloat16)
+
+    def run(fn: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        xi = x.clone().requires_grad_()
+        hf.weight.grad = None
+        out = fn(xi)  # type: ignore[operator]
+        out.backward(grad)
+        assert xi.grad is not None
+        assert hf.weight.grad is not None
+        return out.detach(), xi.grad, hf.weight.grad.clone()
+
+    want_out, want_dx, want_dw = run(hf)
+    got_out, got_dx, got_dw = run(
+        lambda xi: RMSNormFunction.apply(xi, hf.weight, hf.variance_epsilon)
+    )
+    assert got_out.dtype == torch.bfloat16
+    assert torch.equal(got_out, want_out)  # the forward is bit for bit transformers'
+    # Gradients: exact maths in float64 on the same bf16 inputs; both are within bf16 rounding.
+    x64 = x.double().requires_grad_()
+    w64 = hf.weight.detach().double().requires_grad_()
+    out64 = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + hf.variance_epsilon))
+    out64.backward(grad.double())
+    assert x64.grad is not None
+    assert w64.grad is not None
+    for got, want, exact in ((got_dx, want_dx, x64.grad), (got_dw, want_dw, w64.grad)):
+        scale = exact.abs().max().item()
+        err_got = (got.double() - exact).abs().max().item() / scale
+        err_hf = (want.double() - exact).abs().max().item() / scale
+        assert err_got < 2e-2, err_got
+        assert err_got <= 2 * err_hf + 1e-3, (err_got, err_hf)
+
+
+def test_use_fast_rms_norm_patches_every_norm_of_a_qwen3(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        want = model(ids).logits
+    n_layers = model.config.num_hidden_layers
+    assert use_fast_rms_norm(model) == 4 * n_layers + 1  # input, post, q, k per layer; final
+    with torch.no_grad():
+        got = model(ids).logits
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_keep_freed_memory_applies_on_glibc() -> None:
+    assert keep_freed_memory() is True
