@@ -49,3 +49,7 @@ def test_install_alone_and_run_the_example(tmp_path):
     out = _run(py, PKG / "examples" / "standalone_sync.py", "--steps", "3", cwd=tmp_path)
     assert "verified bit-exact" in out
     assert "outputs identical" in out
+
+    # P2P in the same torch-only venv: FSDP2 trainers -> a TP 2 engine, re-sharded, bit-exact.
+    out = _run(py, PKG / "examples" / "p2p_resharding.py", "--steps", "2", cwd=tmp_path)
+    assert "every engine slice bit-exact, engine outputs match" in out
