@@ -95,7 +95,10 @@ def _staging(n: int, depth: int, device: torch.device, pin: bool) -> list[torch.
     bufs = []
     for _ in range(depth):
         b = torch.empty(
-            n, dtype=torch.uint8, device=device, pin_memory=pin and device.type == "cpu"
+            n,
+            dtype=torch.uint8,
+            device=device,
+            pin_memory=pin and device.type == "cpu" and torch.cuda.is_available(),
         )
         if device.type == "cpu" and n:
             b.fill_(0)  # pre-fault: first-touch page faults are slower than the copies
@@ -115,7 +118,8 @@ class ShardSender:
         backend: re-sharding backend ("auto" | "native" | "torch").
         threads: native copy threads (default torch.get_num_threads()).
         device: where staging buffers live (default: the shards' device on first send).
-        pin_memory: pin CPU staging buffers (faster host-to-device transports).
+        pin_memory: pin CPU staging buffers (faster host-to-device transports; ignored
+            without CUDA).
     """
 
     def __init__(
