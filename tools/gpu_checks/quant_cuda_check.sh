@@ -44,25 +44,33 @@ nvcc --version | tail -1
 
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-VENV=$TMP/venv
-"$PY" -m venv --system-site-packages "$VENV"  # the machine's CUDA torch stays visible
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+# A venv on top of the machine's Python (its CUDA torch stays visible); where venv is missing
+# (no ensurepip), a --target directory on PYTHONPATH instead.
+if "$PY" -m venv --system-site-packages "$TMP/venv" 2>/dev/null; then
+  VPY=$TMP/venv/bin/python
+  PIP_BASE=("$VPY" -m pip install -q --disable-pip-version-check)
+else
+  VPY=$PY
+  export PYTHONPATH="$TMP/site${PYTHONPATH:+:$PYTHONPATH}"
+  PIP_BASE=("$VPY" -m pip install -q --disable-pip-version-check --target "$TMP/site")
+fi
+PIP=("${PIP_BASE[@]}")
 if [[ -d "$WHEELHOUSE" ]]; then
   PIP+=(--no-index --find-links "$WHEELHOUSE")
 fi
 "${PIP[@]}" "${BUILD_REQS[@]}" "${TEST_REQS[@]}"
 command -v cmake >/dev/null || "${PIP[@]}" cmake ninja  # scikit-build-core would download them
-if [[ $BUILD_ONLY == 1 ]] && ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  "$VENV/bin/python" -m pip install -q torch==2.13.0
+if [[ $BUILD_ONLY == 1 ]] && ! "$VPY" -c "import torch" 2>/dev/null; then
+  "${PIP_BASE[@]}" torch==2.13.0  # CPU machines: pip's config points at the local wheel
 fi
 
 echo "== build (MILES_QUANT_CUDA=ON, arch $ARCH)"
-"$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation \
+"${PIP[@]}" --no-deps --no-build-isolation \
   -Cbuild-dir="$TMP/build" \
   -Ccmake.define.MILES_QUANT_CUDA=ON \
   -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" \
   packages/miles-quant
-"$VENV/bin/python" -c "from miles_quant import _native; assert _native.cuda_available(), _native.cuda_error(); print('CUDA kernels built; CPU isa', _native.isa())"
+"$VPY" -c "from miles_quant import _native; assert _native.cuda_available(), _native.cuda_error(); print('CUDA kernels built; CPU isa', _native.isa())"
 if [[ $BUILD_ONLY == 1 ]]; then
   echo "quant_cuda_check: built (no GPU tests with --build-only) in $((SECONDS - start)) s"
   exit 0
@@ -70,6 +78,6 @@ fi
 
 echo "== gpu tests"
 cd "$TMP"  # import the installed package, not the checkout's src/
-timeout 240 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m gpu \
+timeout 240 "$VPY" -m pytest -q -p no:cacheprovider -m gpu \
   "$OLDPWD/packages/miles-quant/tests/test_cuda.py"
 echo "quant_cuda_check: passed in $((SECONDS - start)) s"
