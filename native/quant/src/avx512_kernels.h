@@ -2,13 +2,15 @@
 //
 // Included only by cpu_isa_avx512.cpp (compiled with -mavx512f/bw/vl/dq), after cpu_kernels.h,
 // inside namespace miles_quant::cpu::avx512. Every vector step is the lane-wise twin of a scalar
-// step of the contract: element encoding is the integer round-to-nearest-even of
-// bits.h/elements.h on 32-bit lanes, divisions and multiplications are single IEEE fp32
-// operations (vdivps / vmulps, exact like their scalar forms; no FMA, no reciprocal estimate),
-// and per-group scales come from the same scalar helpers of contract.h. Tails run through
+// step of the contract: element encoding is the round-to-nearest-even of bits.h/elements.h on
+// 32-bit lanes (integer for normal targets, one exact fp32 addition for subnormal ones, see
+// encode), divisions and multiplications are single IEEE fp32 operations (vdivps / vmulps,
+// exact like their scalar forms; no FMA, no reciprocal estimate), and scales follow contract.h
+// operation for operation, for 16 groups at a time: their amaxes come out of one transposing
+// reduction (reduce16), and whole batches of 16 blocks take unmasked paths. Tails run through
 // masked loads (zero lanes never change an amax and encode to the pad code) and masked stores,
-// so no byte outside a row is touched. The tests compare this path with the generic one and with
-// the PyTorch reference bit for bit.
+// so no byte outside a row is touched. The tests compare this path with the AVX2 and generic
+// builds of the scalar code and with the PyTorch reference bit for bit.
 #pragma once
 
 #include <immintrin.h>
