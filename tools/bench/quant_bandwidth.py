@@ -205,7 +205,7 @@ def print_table(res: dict[str, object], threads: list[int], stat: str) -> None:
             f"torchao eager {t1}t", f"torchao eager {tn}t"]  # fmt: skip
     head = ["format", *[f"{c} GB/s" for c in cols]]
     head += [f"native/memcpy {t1}t", f"native/memcpy {tn}t", f"native/torchao {t1}t",
-             f"native/torchao {tn}t"]  # fmt: skip
+             f"native/torchao {tn}t", f"native/torch cast {t1}t", "native/ml_dtypes"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head))
     for label, row in res[stat]["formats"].items():  # type: ignore[index]
@@ -215,6 +215,9 @@ def print_table(res: dict[str, object], threads: list[int], stat: str) -> None:
         for t in (t1, tn):
             ao = row.get(f"torchao eager {t}t")
             cells.append(f"{row[f'native {t}t'] / ao:.0f}x" if ao else "-")
+        for peer in (f"torch cast {t1}t", f"ml_dtypes cast {t1}t"):
+            v = row.get(peer)
+            cells.append(f"{row[f'native {t1}t'] / v:.1f}x" if v else "-")
         print("| " + " | ".join(cells) + " |")
 
 
