@@ -88,7 +88,7 @@ def _progress(enabled: bool, total: int) -> tuple[Callable[[int, int, str], None
     if not enabled:
         return (lambda done, n, name: None), None
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # pants: no-infer-dep (optional: plain progress lines without it)
     except ImportError:
         state = {"next": 0.0}
 
