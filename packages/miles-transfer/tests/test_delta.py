@@ -280,3 +280,16 @@ def test_missing_extra_names_the_pip_command(monkeypatch):
     monkeypatch.setattr(codec.importlib, "import_module", no_module)
     with pytest.raises(ImportError, match=r"pip install 'miles-transfer\[delta\]'"):
         codec.checksum(torch.zeros(2))
+
+
+def test_worker_threads_write_the_same_bytes(ckpts, tmp_path, monkeypatch):
+    base, new = ckpts
+    encode_delta(base, new, tmp_path / "serial", chunk_elems=500)
+    monkeypatch.setenv("MILES_DELTA_WORKERS", "3")
+    encode_delta(base, new, tmp_path / "threads", chunk_elems=500)
+    assert snapshot(tmp_path / "serial") == snapshot(tmp_path / "threads")
+    materialize_delta(base, tmp_path / "threads", tmp_path / "out")
+    assert same_files(tmp_path / "out", new)
+    monkeypatch.setenv("MILES_DELTA_WORKERS", "two")
+    with pytest.raises(ValueError, match="MILES_DELTA_WORKERS"):
+        encode_delta(base, new, tmp_path / "bad")

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -21,6 +21,7 @@ import torch
 
 from miles_transfer._delta_codec import (
     ENCODINGS,
+    ChunkPatch,
     Encoding,
     checksum,
     checksum_bytes,
@@ -35,9 +36,11 @@ from miles_transfer._delta_format import (
     MANIFEST,
     PAYLOAD,
     CheckpointIndex,
+    TensorEntry,
     dtype_name,
     fingerprint,
 )
+from miles_transfer._delta_pipeline import default_workers, ordered_map
 
 __all__ = ["DEFAULT_CHUNK_ELEMS", "DeltaReport", "Progress", "encode_checkpoints", "encode_delta"]
 
@@ -164,52 +167,69 @@ def encode_checkpoints(
     tensors: dict[str, dict[str, Any]] = {}
     files: list[dict[str, Any]] = []
     base_sums: dict[str, str] = {}
+
+    def reads() -> Iterator[tuple[tuple[str, TensorEntry, torch.Tensor, torch.Tensor | None], int]]:
+        for fname, entries in new.files.items():
+            for e in entries:
+                be = base.tensors.get(e.name)
+                same = be is not None and be.dtype == e.dtype and be.shape == e.shape
+                bt = base.read(e.name) if same else None
+                yield (fname, e, new.read(e.name), bt), e.nbytes * (2 if same else 1)
+
+    def compute(
+        job: tuple[str, TensorEntry, torch.Tensor, torch.Tensor | None],
+    ) -> tuple[str, TensorEntry, str, str | None, list[ChunkPatch]]:
+        fname, e, nt, bt = job
+        new_sum = new.checksums.get(e.name) or checksum(nt)
+        base_sum = None if bt is None else (base.checksums.get(e.name) or checksum(bt))
+        nv = int_view(nt)
+        bv = torch.zeros_like(nv) if bt is None else int_view(bt)
+        enc: Encoding = encoding if bt is not None else "overwrite"
+        patches = []
+        for i, s in enumerate(range(0, nv.numel(), chunk_elems)):
+            patch = encode_chunk(i, bv[s : s + chunk_elems], nv[s : s + chunk_elems], enc)
+            if patch is not None:
+                patches.append(patch)
+        return fname, e, new_sum, base_sum, patches
+
     try:
         with (staging / PAYLOAD).open("wb") as pf:
             w = _PayloadWriter(pf)
-            for fname, entries in new.files.items():
+            for fname in new.files:
                 head = new.headers[fname]
                 files.append({"name": fname, "header": w.put(head), "tensors": []})
-                for e in entries:
-                    files[-1]["tensors"].append(e.name)
-                    nt = new.read(e.name)
-                    nv = int_view(nt)
-                    be = base.tensors.get(e.name)
-                    spec: dict[str, Any] = {
-                        "dtype": dtype_name(e.dtype),
-                        "shape": list(e.shape),
-                        "checksum": _cached_checksum(new, e.name, nt),
-                        "base_checksum": None,
-                        "chunk_elems": chunk_elems,
-                        "changed": 0,
-                        "chunks": [],
-                    }
-                    if be is not None and be.dtype == e.dtype and be.shape == e.shape:
-                        bt = base.read(e.name)
-                        spec["base_checksum"] = base_sums[e.name] = _cached_checksum(
-                            base, e.name, bt
-                        )
-                        bv, enc, op = int_view(bt), encoding, "patch"
-                    else:
-                        bv, enc, op = torch.zeros_like(nv), "overwrite", "new"
-                    for i, s in enumerate(range(0, nv.numel(), chunk_elems)):
-                        patch = encode_chunk(
-                            i, bv[s : s + chunk_elems], nv[s : s + chunk_elems], enc
-                        )
-                        if patch is not None:
-                            ref = w.put(b"", patch.blob)
-                            ref[2] = patch.raw_size
-                            spec["chunks"].append([i, patch.layout, patch.changed, ref])
-                            spec["changed"] += patch.changed
-                    if op == "patch" and not spec["chunks"]:
-                        op = "keep"
-                    spec["op"] = op
-                    tensors[e.name] = spec
-                    elements += nv.numel()
-                    changed_elements += spec["changed"]
-                    done += e.nbytes
-                    if progress is not None:
-                        progress("encode", done, total)
+            file_specs = {f["name"]: f for f in files}
+            for fname, e, new_sum, base_sum, patches in ordered_map(
+                compute, reads(), workers=default_workers()
+            ):
+                file_specs[fname]["tensors"].append(e.name)
+                new.checksums[e.name] = new_sum
+                if base_sum is not None:
+                    base.checksums[e.name] = base_sums[e.name] = base_sum
+                spec: dict[str, Any] = {
+                    "dtype": dtype_name(e.dtype),
+                    "shape": list(e.shape),
+                    "checksum": new_sum,
+                    "base_checksum": base_sum,
+                    "chunk_elems": chunk_elems,
+                    "changed": sum(p.changed for p in patches),
+                    "chunks": [],
+                }
+                for patch in patches:
+                    ref = w.put(b"", patch.blob)
+                    ref[2] = patch.raw_size
+                    spec["chunks"].append([patch.index, patch.layout, patch.changed, ref])
+                if base_sum is None:
+                    spec["op"] = "new"
+                else:
+                    spec["op"] = "patch" if patches else "keep"
+                tensors[e.name] = spec
+                numel = e.nbytes // e.dtype.itemsize
+                elements += numel
+                changed_elements += spec["changed"]
+                done += e.nbytes
+                if progress is not None:
+                    progress("encode", done, total)
             other: dict[str, dict[str, Any]] = {}
             for name in new.other_files:
                 data = new.read_other(name)

@@ -40,9 +40,11 @@ __all__ = [
     "CheckpointIndex",
     "MemoryCheckpoint",
     "TensorEntry",
+    "decode_frame",
     "fingerprint",
     "load_manifest",
     "read_blob",
+    "read_frame",
 ]
 
 FORMAT = "miles-transfer-delta"
@@ -232,23 +234,37 @@ class MemoryCheckpoint(CheckpointIndex):
         return self._other[name]
 
 
-def read_blob(payload: IO[bytes], ref: list[Any], what: str) -> bytes:
-    """Read, check and decompress one ``[offset, size, raw_size, xxh3_64]`` frame.
+def read_frame(payload: IO[bytes], ref: list[Any], what: str) -> bytes:
+    """Read one ``[offset, size, raw_size, xxh3_64]`` frame and check its checksum.
 
     Raises:
-        ValueError: the frame is truncated, its checksum differs, or it does not decompress.
+        ValueError: the frame is truncated or its checksum differs.
     """
-    offset, size, raw_size, digest = ref
+    offset, size, _, digest = ref
     payload.seek(offset)
     blob = payload.read(size)
     if len(blob) != size:
         raise ValueError(f"{PAYLOAD} is truncated: {what} needs bytes [{offset}, {offset + size})")
     if payload_checksum(blob) != digest:
         raise ValueError(f"{PAYLOAD} is corrupted: the checksum of {what} does not match")
+    return blob
+
+
+def decode_frame(blob: bytes, ref: list[Any], what: str) -> bytes:
+    """Decompress a frame read by ``read_frame``.
+
+    Raises:
+        ValueError: it does not decompress to the recorded size.
+    """
     try:
-        return decompress(blob, raw_size)
+        return decompress(blob, ref[2])
     except ValueError as e:
         raise ValueError(f"{PAYLOAD}: {what}: {e}") from e
+
+
+def read_blob(payload: IO[bytes], ref: list[Any], what: str) -> bytes:
+    """``read_frame`` then ``decode_frame``."""
+    return decode_frame(read_frame(payload, ref, what), ref, what)
 
 
 def _require(cond: bool, path: Path, what: str) -> None:

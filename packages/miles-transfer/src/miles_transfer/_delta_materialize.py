@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -24,11 +25,14 @@ from miles_transfer._delta import Progress, _fresh_staging, _publish
 from miles_transfer._delta_codec import Encoding, apply_chunk, checksum, checksum_bytes, int_view
 from miles_transfer._delta_format import (
     CheckpointIndex,
+    decode_frame,
     dtype_name,
     iter_chunks,
     load_manifest,
     read_blob,
+    read_frame,
 )
+from miles_transfer._delta_pipeline import default_workers, ordered_map
 from miles_transfer._safetensors import SAFETENSORS_DTYPES
 
 __all__ = [
@@ -84,51 +88,62 @@ def _check_base(base: CheckpointIndex, m: dict[str, Any], delta: Path) -> None:
         )
 
 
-def _tensor_result(
-    base: CheckpointIndex,
-    name: str,
-    t: dict[str, Any],
-    encoding: Encoding,
-    payload: IO[bytes],
-    delta: Path,
-    base_version: str | None,
-) -> torch.Tensor:
-    """Build one result tensor and check its final checksum."""
-    if t["op"] == "new":
+# (file, tensor name, manifest entry, base tensor or None for a new one, [(chunk, layout,
+# changed, frame ref, compressed frame)])
+_Frame = tuple[int, str, int, Any, bytes]
+_Job = tuple[str, str, dict[str, Any], "torch.Tensor | None", list[_Frame]]
+_Result = tuple[str, str, torch.Tensor, bool]
+
+
+def _tensor_result(job: _Job, encoding: Encoding, delta: Path) -> _Result:
+    """Build one result tensor from its base and frames (worker thread; no I/O).
+
+    Returns ``(file, name, tensor, checksum_ok)``.
+    """
+    fname, name, t, start, frames = job
+    if start is None:
         out = torch.zeros(t["shape"], dtype=SAFETENSORS_DTYPES[t["dtype"]])
         enc: Encoding = "overwrite"
     else:
-        out = base.read(name, writable=t["op"] == "patch")
-        enc = encoding
-    if t["op"] != "keep":
-        view = int_view(out)
-        n = t["chunk_elems"]
-        for index, layout, changed, ref in iter_chunks(t):
-            raw = read_blob(payload, ref, f"chunk {index} of {name}")
-            try:
-                apply_chunk(view[index * n : (index + 1) * n], layout, changed, raw, enc)
-            except (ValueError, IndexError, RuntimeError) as e:
-                raise ValueError(f"{delta}: chunk {index} of {name} is corrupted: {e}") from e
-    if checksum(out) != t["checksum"]:
-        if t["op"] == "patch" and encoding == "xor":
-            # The result checksum guards every case; the base is hashed only to say why.
-            have = checksum(base.read(name))
-            if have != t["base_checksum"]:
-                state = (
-                    "already holds this delta's result (an xor delta applies exactly once)"
-                    if have == t["checksum"]
-                    else "is neither the delta's base nor its result"
-                )
-                raise DeltaBaseError(
-                    f"{base.path}: tensor {name} {state}; refusing to apply xor delta {delta} "
-                    f"(made from base version {base_version!r})"
-                )
-        what = "the patched tensor" if t["op"] != "keep" else "the unchanged tensor"
-        raise DeltaBaseError(
-            f"{base.path}: {what} {name} does not match the delta's result checksum; the "
-            f"target is not the base this delta was encoded from (or the delta is corrupted)"
-        )
-    return out
+        out, enc = start, encoding
+    view = int_view(out)
+    n = t["chunk_elems"]
+    for index, layout, changed, ref, blob in frames:
+        what = f"chunk {index} of {name}"
+        raw = decode_frame(blob, ref, what)
+        try:
+            apply_chunk(view[index * n : (index + 1) * n], layout, changed, raw, enc)
+        except (ValueError, IndexError, RuntimeError) as e:
+            raise ValueError(f"{delta}: {what} is corrupted: {e}") from e
+    return fname, name, out, checksum(out) == t["checksum"]
+
+
+def _mismatch(
+    base: CheckpointIndex,
+    name: str,
+    t: dict[str, Any],
+    encoding: str,
+    delta: Path,
+    m: dict[str, Any],
+) -> DeltaBaseError:
+    """The error for a result tensor whose checksum differs (the base is hashed to say why)."""
+    if t["op"] == "patch" and encoding == "xor":
+        have = checksum(base.read(name))
+        if have != t["base_checksum"]:
+            state = (
+                "already holds this delta's result (an xor delta applies exactly once)"
+                if have == t["checksum"]
+                else "is neither the delta's base nor its result"
+            )
+            return DeltaBaseError(
+                f"{base.path}: tensor {name} {state}; refusing to apply xor delta {delta} "
+                f"(made from base version {m['base'].get('version')!r})"
+            )
+    what = "the patched tensor" if t["op"] != "keep" else "the unchanged tensor"
+    return DeltaBaseError(
+        f"{base.path}: {what} {name} does not match the delta's result checksum; the "
+        f"target is not the base this delta was encoded from (or the delta is corrupted)"
+    )
 
 
 def materialize_checkpoint(
@@ -152,35 +167,54 @@ def materialize_checkpoint(
     changed: list[str] = []
     total = sum(_nbytes(t) for t in m["tensors"].values())
     done = 0
+
+    def reads(payload: IO[bytes]) -> Iterator[tuple[_Job, int]]:
+        for f in m["files"]:
+            for name in f["tensors"]:
+                t = m["tensors"][name]
+                start = None if t["op"] == "new" else base.read(name, writable=t["op"] == "patch")
+                frames = [
+                    (i, layout, k, ref, read_frame(payload, ref, f"chunk {i} of {name}"))
+                    for i, layout, k, ref in iter_chunks(t)
+                ]
+                yield (f["name"], name, t, start, frames), _nbytes(t)
+
+    def compute(job: _Job) -> _Result:
+        return _tensor_result(job, m["encoding"], delta)
+
     try:
         with ppath.open("rb") as payload:
+            layouts: dict[str, dict[str, int]] = {}
             for f in m["files"]:
                 head = read_blob(payload, f["header"], f"the header of {f['name']}")
-                layout = _parse_header(head, f, m, delta)
-                sink = None if staging is None else (staging / f["name"]).open("wb")
-                try:
-                    if sink is not None:
-                        sink.write(head)
-                    for name in f["tensors"]:
-                        t = m["tensors"][name]
-                        result = _tensor_result(
-                            base, name, t, m["encoding"], payload, delta, m["base"].get("version")
-                        )
-                        if t["op"] != "keep":
-                            changed.append(name)
-                            if keep_tensors:
-                                kept[name] = result
-                        if sink is not None:
-                            sink.seek(layout[name])
-                            sink.write(byte_view(result.reshape(-1)))
-                        done += _nbytes(t)
-                        if progress is not None:
-                            progress("apply", done, total)
-                finally:
-                    if sink is not None:
-                        sink.flush()
-                        os.fsync(sink.fileno())
-                        sink.close()
+                layouts[f["name"]] = _parse_header(head, f, m, delta)
+                if staging is not None:
+                    (staging / f["name"]).write_bytes(head)
+            sink: IO[bytes] | None = None
+            sink_name = None
+            try:
+                for fname, name, result, ok in ordered_map(
+                    compute, reads(payload), workers=default_workers()
+                ):
+                    t = m["tensors"][name]
+                    if not ok:
+                        raise _mismatch(base, name, t, m["encoding"], delta, m)
+                    if t["op"] != "keep":
+                        changed.append(name)
+                        if keep_tensors:
+                            kept[name] = result
+                    if staging is not None:
+                        if fname != sink_name:
+                            _close(sink)
+                            sink, sink_name = (staging / fname).open("r+b"), fname
+                        assert sink is not None
+                        sink.seek(layouts[fname][name])
+                        sink.write(byte_view(result.reshape(-1)))
+                    done += _nbytes(t)
+                    if progress is not None:
+                        progress("apply", done, total)
+            finally:
+                _close(sink)
             for name, o in m["other_files"].items():
                 if "blob" in o:
                     data = read_blob(payload, o["blob"], f"file {name}")
@@ -213,6 +247,13 @@ def materialize_checkpoint(
         seconds=time.perf_counter() - t0,
     )
     return report, kept
+
+
+def _close(sink: IO[bytes] | None) -> None:
+    if sink is not None:
+        sink.flush()
+        os.fsync(sink.fileno())
+        sink.close()
 
 
 def _nbytes(t: dict[str, Any]) -> int:
