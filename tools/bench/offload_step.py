@@ -15,7 +15,7 @@ Why: NVMe offload trades optimizer-state memory for disk traffic. This script me
   fresh subprocess, buffers pre-faulted).
 
 Laptop:   python tools/bench/offload_step.py                 # ~1 min: 90M params, 1.08 GB state
-          python tools/bench/offload_step.py --params-m 40 --bucket-mb 64 --steps 2
+          python tools/bench/offload_step.py --params-m 40 --bucket-mb 32 --steps 2
 Cluster:  python tools/bench/offload_step.py --dir /local_nvme/tmp --params-m 500
 """
 
@@ -120,7 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=None, help="directory on the disk to test (default: TMPDIR)")
     ap.add_argument("--params-m", type=float, default=90.0, help="parameters, in millions")
-    ap.add_argument("--bucket-mb", type=float, default=128.0)
+    ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--depth", type=int, default=32)

@@ -162,7 +162,7 @@ class TrainerConfig:
     ref_model_path: str | None = None
     offload: str = "none"
     offload_path: str | None = None
-    offload_bucket_mb: float = 256.0
+    offload_bucket_mb: float = 64.0
     qat: QATConfig | None = None
 
     def __post_init__(self) -> None:
