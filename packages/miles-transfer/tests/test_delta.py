@@ -110,7 +110,10 @@ def test_overwrite_is_idempotent_and_xor_applies_exactly_once(ckpts, tmp_path):
     encode_delta(base, new, tmp_path / "x", encoding="xor")
     encode_delta(base, new, tmp_path / "o", encoding="overwrite")
     t = Path(shutil.copytree(base, tmp_path / "t"))
+    (t / "notes.txt").write_text("mine")  # a file the delta does not know: left alone
     apply_delta(t, tmp_path / "o")
+    assert (t / "notes.txt").read_text() == "mine"
+    (t / "notes.txt").unlink()
     assert same_files(t, new)
     apply_delta(t, tmp_path / "o")  # again: same result
     assert same_files(t, new)

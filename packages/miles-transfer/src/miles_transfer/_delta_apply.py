@@ -92,8 +92,15 @@ def _write_journal(target: Path, old: list[str], new: list[str]) -> None:
     _fsync_dir(target)
 
 
-def _swap(target: Path, staging: Path) -> None:
-    old, new = _checkpoint_files(target), _checkpoint_files(staging)
+def _swap(target: Path, staging: Path, removed: set[str]) -> None:
+    """Replace the checkpoint's files by the staged ones. Files of ``target`` that the delta
+    does not know (neither in the result, nor removed by it, nor ``*.safetensors``) stay."""
+    new = _checkpoint_files(staging)
+    old = [
+        n
+        for n in _checkpoint_files(target)
+        if n in new or n in removed or n.endswith(".safetensors")
+    ]
     backup = target / BACKUP
     backup.mkdir()
     _write_journal(target, old, new)
@@ -125,7 +132,9 @@ def apply_delta(
     """Apply a delta to an HF safetensors directory in place, atomically.
 
     The result is fully written and checked (every tensor's xxh3-128) before any file of
-    ``target`` changes; on any error ``target`` is left exactly as it was. An ``overwrite``
+    ``target`` changes; on any error ``target`` is left exactly as it was. Files the delta does
+    not know (not part of the checkpoint it was made from, and not ``*.safetensors``) are left
+    in place. An ``overwrite``
     delta may be applied again (idempotent); an ``xor`` delta is refused unless ``target`` is
     exactly its base.
 
@@ -147,7 +156,8 @@ def apply_delta(
     try:
         with CheckpointIndex(target) as idx:
             report, _ = materialize_checkpoint(idx, delta, staging, progress=progress)
-        _swap(target, staging)
+        m, _ = load_manifest(delta)
+        _swap(target, staging, set(m["removed_files"]))
     finally:
         if not (target / JOURNAL).exists():  # else a failed rollback: recover_target needs them
             shutil.rmtree(staging, ignore_errors=True)
