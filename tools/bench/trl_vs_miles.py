@@ -31,6 +31,11 @@ other process on the machine stalls torch's OpenMP barriers and the side with mo
 (HF ``generate``) slows down by up to 10x, so two-thread figures are only meaningful on an
 otherwise idle machine (the 1-minute load average after each run is printed and recorded).
 
+Precision: both sides fp32 by default (the issue's TRL settings). ``--miles-set
+engine.dtype=bfloat16 --miles-set trainer.dtype=bfloat16`` runs miles in bf16 (fp32 master
+weights); ``--trl-bf16`` runs TRL with its own ``bf16=True`` (CPU autocast), for an honest
+bf16-vs-bf16 row. PYTHONPATH reaches the miles side only (to time another checkout's sources).
+
 Laptop:   tools/bench/setup_trl_venv.sh                                 # once, ~1-4 min
           .venv/bin/python tools/bench/trl_vs_miles.py --threads 1    # both workloads, 5-10 min
           .venv/bin/python tools/bench/trl_vs_miles.py --workload demo --repeats 3
@@ -119,7 +124,7 @@ def _trl_worker(spec_path: str) -> int:
         config = GRPOConfig(
             output_dir=tmp,
             use_cpu=True,
-            bf16=False,
+            bf16=spec["bf16"],  # the setting is False; --trl-bf16 measures True
             fp16=False,
             use_vllm=False,
             gradient_checkpointing=False,
@@ -234,9 +239,10 @@ def _prompts(steps: int) -> list[dict[str, Any]]:
     ]
 
 
-def _env(threads: int | None) -> dict[str, str]:
+def _env(threads: int | None, *, keep_pythonpath: bool) -> dict[str, str]:
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
-    env.pop("PYTHONPATH", None)
+    if not keep_pythonpath:  # TRL's venv must not see our sources
+        env.pop("PYTHONPATH", None)
     if threads is not None:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     return env
@@ -289,7 +295,14 @@ def _run_miles(
 
 
 def _run_trl(
-    python: Path, model_dir: Path, tokens: int, steps: int, work: Path, env: dict[str, str]
+    python: Path,
+    model_dir: Path,
+    tokens: int,
+    steps: int,
+    work: Path,
+    env: dict[str, str],
+    *,
+    bf16: bool = False,
 ) -> dict[str, Any]:
     spec = {
         "model_path": str(model_dir),
@@ -297,6 +310,7 @@ def _run_trl(
         "steps": steps,
         "prompts": _prompts(steps),
         "result_path": str(work / "trl_result.json"),
+        "bf16": bf16,
     }
     spec_path = work / "trl_spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -357,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--trl-python", type=Path, default=ROOT / ".venv-bench/bin/python")
     p.add_argument(
+        "--trl-bf16",
+        action="store_true",
+        help="TRL with its own bf16=True (CPU autocast) instead of the issue's bf16=False",
+    )
+    p.add_argument(
         "--miles-set", action="append", default=[], help="extra miles --set override (repeatable)"
     )
     p.add_argument("--out", type=Path, help="write results.json here (default: runs/bench-...)")
@@ -379,8 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv,
         "workloads": {},
     }
-    env = _env(args.threads)
+    # PYTHONPATH reaches the miles side only (to benchmark another checkout's sources).
+    env = _env(args.threads, keep_pythonpath=True)
+    trl_env = _env(args.threads, keep_pythonpath=False)
     report["threads"] = args.threads
+    report["trl_bf16"] = args.trl_bf16
     rows = []
     for name in names:
         wl = WORKLOADS[name]
@@ -396,10 +418,20 @@ def main(argv: list[str] | None = None) -> int:
             for side in order:
                 work = out_dir / name / f"{side}-{r}"
                 work.mkdir(parents=True, exist_ok=True)
+                load_before = os.getloadavg()[0]
                 if side == "miles":
                     res = _run_miles(model_dir, wl["tokens"], steps, work, args.miles_set, env)
                 else:
-                    res = _run_trl(args.trl_python, model_dir, wl["tokens"], steps, work, env)
+                    res = _run_trl(
+                        args.trl_python,
+                        model_dir,
+                        wl["tokens"],
+                        steps,
+                        work,
+                        trl_env,
+                        bf16=args.trl_bf16,
+                    )
+                res["loadavg_1m_before"] = load_before
                 res["loadavg_1m_after"] = os.getloadavg()[0]
                 lens = set(res["response_len_mean"])
                 if lens != {float(wl["tokens"])}:
@@ -407,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                 med = statistics.median(res["step_s"][args.warmup :])
                 print(
                     f"  {side:5s} run {r}: {med:.3f} s/step (median), wall {res['wall_s']:.1f}s, "
-                    f"load {res['loadavg_1m_after']:.1f}"
+                    f"load {load_before:.1f} -> {res['loadavg_1m_after']:.1f}"
                 )
                 runs[side].append(res)
         m = _summary(runs["miles"], ["step_s", "rollout_s", "train_s", "update_s"], args.warmup)
