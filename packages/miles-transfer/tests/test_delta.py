@@ -296,3 +296,33 @@ def test_worker_threads_write_the_same_bytes(ckpts, tmp_path, monkeypatch):
     monkeypatch.setenv("MILES_DELTA_WORKERS", "two")
     with pytest.raises(ValueError, match="MILES_DELTA_WORKERS"):
         encode_delta(base, new, tmp_path / "bad")
+
+
+def test_a_chain_applied_at_once_equals_the_steps_one_by_one(tmp_path):
+    from miles_transfer._delta_chain import materialize_chain
+
+    v0 = base_tensors()
+    v1 = step(v0, 0.05, seed=1)
+    v1["added.weight"] = torch.randn(4, 4).bfloat16()  # added in v1, changed in v2
+    v2 = step(v1, 0.05, seed=2)
+    del v2["mask"]  # removed in v2
+    v2["fp8.weight"] = torch.randn(8, 8).to(torch.float8_e4m3fn)  # reshaped in v2
+    v3 = step(v2, 0.05, seed=3)
+    dirs = [
+        write_checkpoint(tmp_path / f"v{i}", v, config=f'{{"v": {i}}}', shards=2)
+        for i, v in enumerate([v0, v1, v2, v3])
+    ]
+    deltas = []
+    for i, enc in zip(range(1, 4), ["xor", "overwrite", "xor"], strict=True):
+        r = encode_delta(dirs[i - 1], dirs[i], tmp_path / f"d{i}", encoding=enc, chunk_elems=700)
+        deltas.append(r.path)
+    report = materialize_chain(dirs[0], deltas, tmp_path / "chained")
+    assert same_files(tmp_path / "chained", dirs[3])
+    assert "added.weight" in report.changed
+    with pytest.raises(DeltaBaseError):  # not the chain's base: refused, nothing written
+        materialize_chain(dirs[1], deltas, tmp_path / "wrong")
+    assert not (tmp_path / "wrong").exists()
+    _corrupt_payload(deltas[1])
+    with pytest.raises(ValueError, match="corrupted"):
+        materialize_chain(dirs[0], deltas, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()

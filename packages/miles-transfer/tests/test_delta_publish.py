@@ -77,7 +77,8 @@ def test_publish_pull_chain_with_full_snapshots(tmp_path):
     assert sub.pull(version=1).steps == ("full 0", "delta 1")
     assert sub.pull(version=4).steps == ("delta 2", "delta 3", "delta 4")
     assert sub.pull().steps == ("delta 5", "delta 6")
-    assert sorted(os.listdir(tmp_path / "host")) == [f"weight_v{v:06d}" for v in (4, 5, 6)]
+    # Catching up writes only the newest version (no intermediate checkpoints).
+    assert sorted(os.listdir(tmp_path / "host")) == [f"weight_v{v:06d}" for v in (1, 4, 6)]
     # Further behind than max_chain: the newest snapshot at or before the target, then deltas.
     far = DeltaSubscriber(tmp_path / "pub", tmp_path / "far", max_chain=2)
     far.pull(version=0)

@@ -39,9 +39,9 @@ from miles_transfer._delta import (
     _fsync_dir,
     encode_checkpoints,
 )
+from miles_transfer._delta_chain import materialize_chain
 from miles_transfer._delta_codec import ENCODINGS, Encoding
 from miles_transfer._delta_format import CheckpointIndex, MemoryCheckpoint
-from miles_transfer._delta_materialize import materialize_delta
 
 __all__ = [
     "DeltaPublisher",
@@ -300,7 +300,8 @@ class DeltaSubscriber:
 
     Each pulled version becomes its own directory ``local_root/weight_v{N:06d}/`` (written
     under a hidden name, then renamed), so the engine can keep serving the old one until it
-    reloads; the ``keep`` newest are kept.
+    reloads; the ``keep`` newest are kept. Catching up several versions applies their deltas
+    in one pass and writes only the newest.
 
     Args:
         publish_root: the ``DeltaPublisher`` root.
@@ -405,16 +406,18 @@ class DeltaSubscriber:
                 changed.update(idx.tensors)
             start = f
         assert start is not None
+        deltas = []
         for v in range(start + 1, target + 1):
             d = self.publish_root / version_dir_name(v)
-            delta = d / "delta" if self._kind(v) == "full" else d
-            rep = materialize_delta(
-                self.local_root / version_dir_name(v - 1),
-                delta,
-                self.local_root / version_dir_name(v),
+            deltas.append(d / "delta" if self._kind(v) == "full" else d)
+            steps.append(f"delta {v}")
+        if deltas:  # one pass: only the target version is written
+            rep = materialize_chain(
+                self.local_root / version_dir_name(start),
+                deltas,
+                self.local_root / version_dir_name(target),
             )
             changed.update(rep.changed)
-            steps.append(f"delta {v}")
         self.prune()
         return PullReport(
             version=target,
