@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import subprocess
-import sys
+import venv
 import zipfile
 from pathlib import Path
 
@@ -47,9 +47,11 @@ def test_package_builds_with_the_cuda_kernels(tmp_path: Path) -> None:
     # What `pip install packages/miles-quant -Ccmake.define.MILES_QUANT_CUDA=ON` builds: the
     # CMake CUDA setup, the kernels, the nanobind binding and the link against cudart.
     pkg = Path(__file__).resolve().parents[1]
+    # A fresh venv's pip builds the wheel: the test runner's interpreter may have no pip (Pants).
+    venv.EnvBuilder(with_pip=True).create(tmp_path / "v")
     r = subprocess.run(
         [
-            sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+            str(tmp_path / "v" / "bin" / "python"), "-m", "pip", "wheel", "-q", "--no-deps",
             f"-Cbuild-dir={tmp_path / 'b'}",
             "-Ccmake.define.MILES_QUANT_CUDA=ON", "-Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90;100",
             "-w", str(tmp_path / "w"), str(pkg),

@@ -168,15 +168,16 @@ def test_without_a_compiler_the_package_installs_and_uses_the_reference(tmp_path
     from pathlib import Path
 
     pkg = Path(__file__).resolve().parents[1]
+    # A fresh venv's pip builds the wheel: the test runner's interpreter may have no pip (Pants).
+    venv.EnvBuilder(with_pip=True).create(tmp_path / "v")
+    py = tmp_path / "v" / "bin" / "python"
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp_path / "w", pkg],
+        [py, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp_path / "w", pkg],
         check=True, env=env, timeout=600,
     )  # fmt: skip
     (wheel,) = (tmp_path / "w").glob("miles_transfer-*.whl")
     assert not [n for n in zipfile.ZipFile(wheel).namelist() if "_ext" in n]
-    venv.EnvBuilder(with_pip=True).create(tmp_path / "v")
-    py = tmp_path / "v" / "bin" / "python"
     subprocess.run(
         [py, "-m", "pip", "install", "-q", "torch==2.13.0", wheel], check=True, timeout=600
     )
