@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,10 +78,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return self.dtype.itemsize * math.prod(self.shape)
 
 
 class CheckpointIndex:

@@ -10,6 +10,7 @@ on any error nothing is left behind. ``materialize_checkpoint`` with ``out=None`
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -257,10 +258,7 @@ def _close(sink: IO[bytes] | None) -> None:
 
 
 def _nbytes(t: dict[str, Any]) -> int:
-    n = SAFETENSORS_DTYPES[t["dtype"]].itemsize
-    for d in t["shape"]:
-        n *= int(d)
-    return n
+    return SAFETENSORS_DTYPES[t["dtype"]].itemsize * math.prod(int(d) for d in t["shape"])
 
 
 def _parse_header(head: bytes, f: dict[str, Any], m: dict[str, Any], delta: Path) -> dict[str, int]:

@@ -15,6 +15,7 @@ maps onto the trailing dimensions and the leading local dimensions have extent 1
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -39,10 +40,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +58,7 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.size:
-            n *= s
-        return n
+        return math.prod(self.size)
 
     def local_size(self) -> tuple[int, ...]:
         """The box extent in local coordinates (leading 1s for extra local dimensions)."""
@@ -80,10 +75,7 @@ class LocalTensor:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return self.dtype.itemsize * math.prod(self.shape)
 
     def allocate(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """A zero-filled tensor of this shape and dtype (a receive buffer)."""

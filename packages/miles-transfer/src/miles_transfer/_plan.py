@@ -14,6 +14,7 @@ and writes. Plans are cached by the layouts' fingerprints, so re-planning each s
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -43,10 +44,7 @@ class Strided:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -86,10 +84,7 @@ class CopyOp:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.size:
-            n *= s
-        return n
+        return math.prod(self.size)
 
     @property
     def nbytes(self) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -253,10 +254,7 @@ def _wide(
 
 
 def _nbytes(shape: tuple[int, ...], itemsize: int) -> int:
-    n = itemsize
-    for s in shape:
-        n *= s
-    return n
+    return itemsize * math.prod(shape)
 
 
 def _extent(off: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> int:

@@ -9,6 +9,7 @@ little-endian, row-major tensor bytes.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import sys
 from collections.abc import Iterable, Iterator
@@ -83,9 +84,7 @@ def _header(path: Path) -> tuple[dict[str, Any], int, int]:
         ):
             raise ValueError(f"{path}: {name} has a malformed shape or data_offsets")
         begin, end = offsets
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         want = numel * SAFETENSORS_DTYPES[entry["dtype"]].itemsize
         if not 0 <= begin <= end <= data_len or end - begin != want:
             raise ValueError(
