@@ -16,6 +16,7 @@ Needs safetensors (``pip install 'miles-quant[checkpoint]'``).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,6 @@ from miles_quant._checkpoint_io import (
 )
 from miles_quant._checkpoint_layouts import (
     LAYOUTS,
-    NVFP4_INPUT_DIVISOR,
     Layout,
     decode,
     encode,
@@ -47,6 +47,7 @@ from miles_quant._checkpoint_layouts import (
     stored_names,
 )
 from miles_quant._checkpoint_select import ALWAYS_KEEP, Selector, matches
+from miles_quant.calibrate import input_scale
 
 __all__ = [
     "ALWAYS_KEEP",
@@ -81,6 +82,8 @@ class ExportPlan:
         split: fused expert parameters (``mlp.experts.gate_up_proj`` / ``down_proj`` of
             Qwen2/3-MoE-style models) -> the per-expert tensor names written for them (the
             names engines load; gate and up of one expert form an NVFP4 group).
+        input_scales: NVFP4 only, filled by `export_checkpoint`: each quantized module ->
+            the ``input_scale`` written for it (1.0 where ``input_amax`` had no value for it).
     """
 
     format: str
@@ -89,6 +92,7 @@ class ExportPlan:
     kept: dict[str, str] = field(default_factory=dict)
     fused: list[list[str]] = field(default_factory=list)
     split: dict[str, list[str]] = field(default_factory=dict)
+    input_scales: dict[str, float] = field(default_factory=dict)
 
 
 def _read_config(model_dir: Path) -> dict[str, Any]:
@@ -220,6 +224,11 @@ def plan_export(
 
 
 def _input_scale(amax: float | Mapping[str, float] | None, params: list[str]) -> float:
+    """input_scale of an NVFP4 group: fp32(amax) / 2688 in fp32 (1.0 without an amax).
+
+    A group (q/k/v, gate/up) shares one input, and engines take the max over its members'
+    input scales anyway, so the group gets the largest of its members' amaxes.
+    """
     if amax is None:
         return 1.0
     if isinstance(amax, (int, float)):
@@ -229,9 +238,12 @@ def _input_scale(amax: float | Mapping[str, float] | None, params: list[str]) ->
         if not found:
             return 1.0
         value = max(float(v) for v in found)
-    if not value > 0.0:
-        raise ValueError(f"input_amax must be > 0, got {value} for {params}")
-    return value / NVFP4_INPUT_DIVISOR
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(
+            f"input_amax must be finite and > 0, got {value} for {params}; recalibrate, or "
+            "leave the module out of input_amax (input_scale 1.0) or keep it unquantized"
+        )
+    return float(input_scale(value, "nvfp4"))
 
 
 def export_checkpoint(
@@ -271,8 +283,10 @@ def export_checkpoint(
         only: quantize only tensors matching one of these patterns (e.g. ["*.experts.*"]).
         scale_rule: mxfp4 only: "floor" (default), "rceil" or "even".
         input_amax: nvfp4 only: activation amax per module name (or one value for all), from
-            calibration; input_scale = amax / 2688. Default 1.0 (block scales then cover
-            activation block amax from 6 * 2^-9 to 2688).
+            calibration (`miles_quant.calibrate`: ``Calibration.amax``); input_scale =
+            fp32(amax) / 2688 in fp32, the max over a fused group. Modules without a value
+            get 1.0 (block scales then cover activation block amax from 6 * 2^-9 to 2688);
+            ``ExportPlan.input_scales`` says what each module got.
         max_shard_bytes: largest output shard.
         overwrite: replace an existing ``dst_dir``.
         backend: quantize backend ("auto", "native", "torch"); all give the same bits.
@@ -328,7 +342,12 @@ def export_checkpoint(
                 # have only local scales, so each member is quantized on its own.
                 parts = [group] if fmt == "nvfp4" else [[m] for m in group]
                 for part in parts:
-                    _write_quantized(writer, part, fmt, cfg, scale_rule, input_amax, backend, name)
+                    scale_in = _write_quantized(
+                        writer, part, fmt, cfg, scale_rule, input_amax, backend, name
+                    )
+                    if fmt == "nvfp4":
+                        for m in modules_of([n for n, _ in part]):
+                            plan.input_scales[m] = scale_in
             done.update(members)
             if progress is not None:
                 progress(len(done), total, name)
@@ -353,9 +372,9 @@ def _write_quantized(
     input_amax: float | Mapping[str, float] | None,
     backend: Backend,
     source: str,
-) -> None:
+) -> float:
     """Quantize ``group`` (one tensor, or NVFP4 members concatenated along dim 0) and write
-    each member in the layout."""
+    each member in the layout; returns the NVFP4 input_scale written (1.0 otherwise)."""
     names = [n for n, _ in group]
     if len({t.dtype for _, t in group}) != 1:
         raise ValueError(f"fusion group {names} mixes dtypes")
@@ -368,6 +387,7 @@ def _write_quantized(
     for m, part in zip(names, _split_rows(q, [t.shape[0] for _, t in group])):
         for out_name, t in encode(m, part, scale_in).items():
             writer.add(out_name, t)
+    return scale_in
 
 
 def _split_rows(q: QuantizedTensor, rows: list[int]) -> list[QuantizedTensor]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from miles_quant.calibrate import calibrate_checkpoint, read_prompts
 from miles_quant.checkpoint import LAYOUTS, dequantize_checkpoint, export_checkpoint, plan_export
 
 __all__ = ["build_parser", "main"]
@@ -68,7 +69,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--input-amax",
         type=Path,
         metavar="JSON",
-        help="nvfp4: a JSON object {module name: activation amax} from calibration",
+        help="nvfp4: a JSON object {module name: activation amax} from calibration "
+        "(or use --calib-data)",
+    )
+    p.add_argument(
+        "--calib-data",
+        type=Path,
+        metavar="JSONL",
+        help="nvfp4: calibrate input_scale on these prompts (one per line: a JSON string or "
+        "an object with 'text', 'prompt' or 'messages'), running src with its tokenizer",
+    )
+    p.add_argument(
+        "--calib-samples",
+        type=int,
+        default=128,
+        metavar="N",
+        help="--calib-data: use the first N prompts (default 128)",
+    )
+    p.add_argument(
+        "--calib-max-length",
+        type=int,
+        default=2048,
+        metavar="L",
+        help="--calib-data: tokens per prompt at most (default 2048)",
+    )
+    p.add_argument(
+        "--calib-out",
+        type=Path,
+        metavar="JSON",
+        help="--calib-data: also save the measured amax (reusable as --input-amax)",
     )
     p.add_argument("--max-shard-size", type=_size, default="5GB", help="e.g. 2GB, 500MiB")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dst")
@@ -107,6 +136,30 @@ def _progress(enabled: bool, total: int) -> tuple[Callable[[int, int, str], None
     return update, bar
 
 
+def _input_amax(args: argparse.Namespace) -> dict[str, float] | None:
+    """The activation amax per module: from --input-amax, or measured with --calib-data."""
+    if args.input_amax is not None:
+        amax = json.loads(args.input_amax.read_text())
+        if not isinstance(amax, dict) or not all(
+            isinstance(v, (int, float)) for v in amax.values()
+        ):
+            raise ValueError(f"{args.input_amax}: expected a JSON object {{module: amax}}")
+        return {str(k): float(v) for k, v in amax.items()}
+    if args.calib_data is None:
+        return None
+    prompts = read_prompts(args.calib_data, limit=args.calib_samples)
+    start = time.perf_counter()
+    cal = calibrate_checkpoint(args.src, prompts, max_length=args.calib_max_length)
+    print(
+        f"calibrated {len(cal.amax)} Linear modules on {cal.batches} prompts in "
+        f"{time.perf_counter() - start:.1f} s"
+        + (f"; {len(cal.unused)} received no input" if cal.unused else "")
+    )
+    if args.calib_out is not None:
+        cal.save(args.calib_out)
+    return cal.amax
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -130,11 +183,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.format is None:
         raise ValueError("choose a format with -f/--format (or pass --dequantize)")
-    input_amax = None
-    if args.input_amax is not None:
-        input_amax = json.loads(args.input_amax.read_text())
-        if not isinstance(input_amax, dict):
-            raise ValueError(f"{args.input_amax}: expected a JSON object {{module: amax}}")
+    if args.input_amax is not None and args.calib_data is not None:
+        raise ValueError("pass either --input-amax or --calib-data, not both")
+    if args.calib_data is not None and args.format != "nvfp4":
+        raise ValueError(f"--calib-data calibrates the nvfp4 input_scale, not {args.format}")
     options: dict[str, Any] = {
         "keep_bf16": args.keep,
         "keep_first_layers": args.keep_first_layers,
@@ -154,10 +206,11 @@ def _run(args: argparse.Namespace) -> int:
         for group in plan.fused:
             print(f"  fused     {' + '.join(group)}")
         return 0
+    input_amax = _input_amax(args)
     update, bar = _progress(show, len(plan.quantized) + len(plan.kept))
     start = time.perf_counter()
     try:
-        export_checkpoint(
+        done = export_checkpoint(
             args.src,
             args.dst,
             args.format,
@@ -171,6 +224,12 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
+    if input_amax is not None:
+        default = sorted(m for m in done.input_scales if m not in input_amax)
+        print(
+            f"input_scale: calibrated for {len(done.input_scales) - len(default)} modules, "
+            f"1.0 for {len(default)}" + (f" (e.g. {default[0]})" if default else "")
+        )
     size = sum(f.stat().st_size for f in Path(args.dst).glob("*.safetensors"))
     print(f"wrote {args.dst} ({size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s")
     return 0
