@@ -303,10 +303,8 @@ def calibrate_checkpoint(
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     try:
-        from transformers import (  # pants: no-infer-dep (optional extra [calibrate])
-            AutoModelForCausalLM,
-            AutoTokenizer,
-        )
+        # The optional extra [calibrate]: not a dependency of the library code.
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # pants: no-infer-dep
     except ImportError as e:
         raise ImportError(
             "calibration loads the checkpoint with transformers: "
