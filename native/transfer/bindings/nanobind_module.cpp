@@ -1,4 +1,5 @@
-// The one binding file: miles_transfer._ext, a thin nanobind layer over copy_jobs.
+// The one binding file: miles_transfer._ext, a thin nanobind layer over copy_jobs (re-sharding)
+// and the disk-delta kernels (delta_scan.h).
 //
 // `copy(jobs, threads)` takes an int64 array of shape [n, 3 + 3 * kMaxDims]: per job the source
 // address, the destination address, ndim, then shape, source strides and destination strides
@@ -7,18 +8,38 @@
 // checks the array's form. The copy runs without the GIL.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "miles_transfer/delta_scan.h"
 #include "miles_transfer/strided_copy.h"
 
 namespace nb = nanobind;
 using namespace miles_transfer;
 
 using I64 = nb::ndarray<int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+namespace {
+
+// The delta kernels take tensor addresses as integers (the Python wrapper, miles_transfer.
+// _delta_native, owns the tensors and checks every size); this layer checks the scalars.
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+void check_width_len(int width, int64_t n, const char* what) {
+  if (width != 1 && width != 2 && width != 4 && width != 8)
+    throw std::invalid_argument(std::string("miles_transfer._ext.") + what +
+                                ": width must be 1, 2, 4 or 8");
+  if (n < 0) throw std::invalid_argument(std::string("miles_transfer._ext.") + what + ": n < 0");
+}
+
+}  // namespace
 
 NB_MODULE(_ext, m) {
   m.doc() = "miles_transfer native strided copies (see miles_transfer/_reshard.py)";
@@ -54,4 +75,72 @@ NB_MODULE(_ext, m) {
       },
       nb::arg("jobs"), nb::arg("threads"),
       "Run strided byte copies; see bindings/nanobind_module.cpp for the descriptor layout.");
+
+  m.def(
+      "delta_scan",
+      [](uintptr_t base, uintptr_t next, int64_t n, int width, bool xor_values, uintptr_t gaps,
+         uintptr_t values, int64_t cap) {
+        check_width_len(width, n, "delta_scan");
+        nb::gil_scoped_release release;
+        return delta_scan(ptr<const uint8_t>(base), ptr<const uint8_t>(next), n, width,
+                          xor_values, ptr<int32_t>(gaps), ptr<uint8_t>(values), cap);
+      },
+      nb::arg("base"), nb::arg("next"), nb::arg("n"), nb::arg("width"), nb::arg("xor_values"),
+      nb::arg("gaps"), nb::arg("values"), nb::arg("cap"),
+      "Changed elements of next vs base: gaps and values written up to cap; returns the count.");
+  m.def(
+      "shuffle_bytes",
+      [](uintptr_t in, int64_t k, int width, uintptr_t out) {
+        check_width_len(width, k, "shuffle_bytes");
+        nb::gil_scoped_release release;
+        shuffle_bytes(ptr<const uint8_t>(in), k, width, ptr<uint8_t>(out));
+      },
+      nb::arg("src"), nb::arg("k"), nb::arg("width"), nb::arg("out"),
+      "Byte planes of k elements of width bytes.");
+  m.def(
+      "dense_encode",
+      [](uintptr_t base, uintptr_t next, int64_t n, int width, bool xor_values, uintptr_t out) {
+        check_width_len(width, n, "dense_encode");
+        nb::gil_scoped_release release;
+        dense_encode(ptr<const uint8_t>(base), ptr<const uint8_t>(next), n, width, xor_values,
+                     ptr<uint8_t>(out));
+      },
+      nb::arg("base"), nb::arg("next"), nb::arg("n"), nb::arg("width"), nb::arg("xor_values"),
+      nb::arg("out"), "Byte planes of next ^ base (xor) or next.");
+  m.def(
+      "sparse_apply",
+      [](uintptr_t target, int64_t n, int width, nb::bytes raw, int64_t k, bool xor_values) {
+        check_width_len(width, n, "sparse_apply");
+        if (k < 0 || static_cast<int64_t>(raw.size()) != k * (4 + width))
+          throw std::invalid_argument("miles_transfer._ext.sparse_apply: raw size != k*(4+width)");
+        int64_t last = -1;
+        int status;
+        {
+          nb::gil_scoped_release release;
+          status = sparse_apply(ptr<uint8_t>(target), n, width,
+                                reinterpret_cast<const uint8_t*>(raw.c_str()), k, xor_values,
+                                &last);
+        }
+        return nb::make_tuple(status, last);
+      },
+      nb::arg("target"), nb::arg("n"), nb::arg("width"), nb::arg("raw"), nb::arg("k"),
+      nb::arg("xor_values"),
+      "Patch from a sparse chunk; returns (status, last position); status 0 ok, 1 gaps not "
+      "increasing, 2 out of range (nothing written unless 0).");
+  m.def(
+      "dense_apply",
+      [](uintptr_t target, int64_t n, int width, nb::bytes raw, bool xor_values) {
+        check_width_len(width, n, "dense_apply");
+        if (static_cast<int64_t>(raw.size()) != n * width)
+          throw std::invalid_argument("miles_transfer._ext.dense_apply: raw size != n*width");
+        nb::gil_scoped_release release;
+        dense_apply(ptr<uint8_t>(target), n, width, reinterpret_cast<const uint8_t*>(raw.c_str()),
+                    xor_values);
+      },
+      nb::arg("target"), nb::arg("n"), nb::arg("width"), nb::arg("raw"), nb::arg("xor_values"),
+      "Patch from a dense chunk.");
+  m.def("delta_isa", []() { return std::string(delta_isa()); },
+        "The delta kernels' instruction set: avx512, avx2 or generic.");
+  m.def("delta_use_isa", [](const std::string& name) { return delta_use_isa(name.c_str()); },
+        nb::arg("name"), "Use avx512, avx2 or generic from now on if supported (tests).");
 }

@@ -40,6 +40,7 @@ from miles_transfer._delta_format import (
     dtype_name,
     fingerprint,
 )
+from miles_transfer._delta_native import DeltaBackend
 from miles_transfer._delta_pipeline import default_workers, ordered_map
 
 __all__ = ["DEFAULT_CHUNK_ELEMS", "DeltaReport", "Progress", "encode_checkpoints", "encode_delta"]
@@ -153,6 +154,7 @@ def encode_checkpoints(
     base_version: str | None = None,
     version: str | None = None,
     progress: Progress | None = None,
+    backend: DeltaBackend = "auto",
 ) -> DeltaReport:
     """``encode_delta`` on opened checkpoints (directories or in-memory snapshots)."""
     if encoding not in ENCODINGS:
@@ -187,7 +189,9 @@ def encode_checkpoints(
         enc: Encoding = encoding if bt is not None else "overwrite"
         patches = []
         for i, s in enumerate(range(0, nv.numel(), chunk_elems)):
-            patch = encode_chunk(i, bv[s : s + chunk_elems], nv[s : s + chunk_elems], enc)
+            patch = encode_chunk(
+                i, bv[s : s + chunk_elems], nv[s : s + chunk_elems], enc, backend=backend
+            )
             if patch is not None:
                 patches.append(patch)
         return fname, e, new_sum, base_sum, patches
@@ -296,6 +300,7 @@ def encode_delta(
     base_version: str | None = None,
     version: str | None = None,
     progress: Progress | None = None,
+    backend: DeltaBackend = "auto",
 ) -> DeltaReport:
     """Write a delta directory that turns checkpoint ``base`` into checkpoint ``new``.
 
@@ -315,6 +320,8 @@ def encode_delta(
         base_version: a version label of ``base`` recorded in the manifest.
         version: a version label of ``new`` recorded in the manifest.
         progress: called as ``progress("encode", bytes_done, bytes_total)`` after each tensor.
+        backend: ``"native"`` (the C++ compare-and-compact kernels), ``"torch"`` (the PyTorch
+            reference) or ``"auto"`` (native when built). The delta's bytes are the same.
 
     Returns:
         Sizes and changed fractions.
@@ -333,4 +340,5 @@ def encode_delta(
             base_version=base_version,
             version=version,
             progress=progress,
+            backend=backend,
         )

@@ -33,6 +33,7 @@ from miles_transfer._delta_format import (
     read_blob,
     read_frame,
 )
+from miles_transfer._delta_native import DeltaBackend
 from miles_transfer._delta_pipeline import default_workers, ordered_map
 from miles_transfer._safetensors import SAFETENSORS_DTYPES
 
@@ -96,7 +97,9 @@ _Job = tuple[str, str, dict[str, Any], "torch.Tensor | None", list[_Frame]]
 _Result = tuple[str, str, torch.Tensor, bool]
 
 
-def _tensor_result(job: _Job, encoding: Encoding, delta: Path) -> _Result:
+def _tensor_result(
+    job: _Job, encoding: Encoding, delta: Path, backend: DeltaBackend = "auto"
+) -> _Result:
     """Build one result tensor from its base and frames (worker thread; no I/O).
 
     Returns ``(file, name, tensor, checksum_ok)``.
@@ -113,7 +116,9 @@ def _tensor_result(job: _Job, encoding: Encoding, delta: Path) -> _Result:
         what = f"chunk {index} of {name}"
         raw = decode_frame(blob, ref, what)
         try:
-            apply_chunk(view[index * n : (index + 1) * n], layout, changed, raw, enc)
+            apply_chunk(
+                view[index * n : (index + 1) * n], layout, changed, raw, enc, backend=backend
+            )
         except (ValueError, IndexError, RuntimeError) as e:
             raise ValueError(f"{delta}: {what} is corrupted: {e}") from e
     return fname, name, out, checksum(out) == t["checksum"]
@@ -154,10 +159,12 @@ def materialize_checkpoint(
     *,
     progress: Progress | None = None,
     keep_tensors: bool = False,
+    backend: DeltaBackend = "auto",
 ) -> tuple[MaterializeReport, dict[str, torch.Tensor]]:
     """Apply a delta to an opened base; write the result to ``out`` (None: dry run).
 
-    Returns the report and, with ``keep_tensors``, the changed tensors by name.
+    Returns the report and, with ``keep_tensors``, the changed tensors by name. ``backend``
+    picks the chunk kernels (``"auto"``, ``"native"``, ``"torch"``; same result).
     """
     t0 = time.perf_counter()
     delta = Path(delta)
@@ -181,7 +188,7 @@ def materialize_checkpoint(
                 yield (f["name"], name, t, start, frames), _nbytes(t)
 
     def compute(job: _Job) -> _Result:
-        return _tensor_result(job, m["encoding"], delta)
+        return _tensor_result(job, m["encoding"], delta, backend)
 
     try:
         with ppath.open("rb") as payload:
@@ -287,16 +294,18 @@ def materialize_delta(
     out: str | Path,
     *,
     progress: Progress | None = None,
+    backend: DeltaBackend = "auto",
 ) -> MaterializeReport:
     """Write the checkpoint that ``delta`` makes from ``base`` into a new directory ``out``.
 
     ``base`` is only read. ``out`` appears only once every tensor and file is written and has
-    passed its checksum; on any error nothing is left behind.
+    passed its checksum; on any error nothing is left behind. ``backend`` picks the chunk
+    kernels (``"auto"``: native when built; ``"native"``; ``"torch"``); the result is the same.
 
     Raises:
         DeltaBaseError: ``base`` is not the checkpoint the delta was made from.
         ValueError: a corrupted, truncated or malformed delta, or a bad ``out``.
     """
     with CheckpointIndex(base) as b:
-        report, _ = materialize_checkpoint(b, delta, out, progress=progress)
+        report, _ = materialize_checkpoint(b, delta, out, progress=progress, backend=backend)
     return report

@@ -18,9 +18,7 @@ otherwise (CUDA tensors, or no compiler at install time: a warning is issued onc
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
-import os
 import warnings
 from collections.abc import Mapping, Sequence
 from types import ModuleType
@@ -28,6 +26,7 @@ from typing import Literal
 
 import torch
 
+from miles_transfer import _native
 from miles_transfer._plan import CopyOp, Strided
 
 __all__ = [
@@ -43,19 +42,8 @@ __all__ = [
 
 Backend = Literal["auto", "native", "torch"]
 
-_ext: ModuleType | None
-_error: str | None
-try:
-    if os.environ.get("MILES_TRANSFER_DISABLE_NATIVE", "") == "1":
-        raise ImportError("disabled by MILES_TRANSFER_DISABLE_NATIVE=1")
-    if importlib.util.find_spec("miles_transfer._ext") is None:
-        raise ImportError("not built (no C++ compiler when miles-transfer was installed)")
-    from miles_transfer import _ext  # type: ignore[attr-defined,no-redef]
-
-    _error = None
-except ImportError as exc:  # not built (no compiler at install), or another Python / platform
-    _ext = None
-    _error = f"{type(exc).__name__}: {exc}"
+_ext: ModuleType | None = _native.ext
+_error: str | None = _native.error
 
 _MAX_DIMS = 6 if _ext is None else int(_ext.MAX_DIMS)
 _warned = False

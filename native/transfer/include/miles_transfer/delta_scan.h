@@ -1,0 +1,56 @@
+// Disk-delta kernels: compare-and-compact and its inverse, torch-free, raw pointers and sizes.
+//
+// Elements are `width` bytes (1, 2, 4 or 8) compared as raw bits. The byte layout they produce
+// and read is the one miles_transfer._delta_codec writes (the delta file format):
+//
+// - a sparse chunk of k changed elements is `k` int32 gaps (the first gap is the first changed
+//   position, each next one the distance to the previous position), byte-shuffled (all first
+//   bytes, then all second bytes, ...), then the k values (new ^ base for xor, new for
+//   overwrite), byte-shuffled the same way;
+// - a dense chunk is every element's value, byte-shuffled.
+//
+// Every function dispatches at run time to an AVX-512BW, an AVX2 or a portable version; all
+// give the same bytes. Bounds are the caller's responsibility (the Python wrapper checks them).
+#pragma once
+
+#include <cstdint>
+
+namespace miles_transfer {
+
+// Compares base[0..n) with next[0..n) and, for each element whose bits differ (in order), writes
+// its gap to gaps[k] and its value (next ^ base when xor_values, else next) to
+// values[k * width ..] while k < cap; past cap it only counts. Returns the number of changed
+// elements (which may exceed cap). `gaps` needs cap entries, `values` cap * width bytes.
+int64_t delta_scan(const uint8_t* base, const uint8_t* next, int64_t n, int width, bool xor_values,
+                   int32_t* gaps, uint8_t* values, int64_t cap);
+
+// Byte planes: out[j * k + i] = in[i * width + j] for k elements (out and in must not overlap).
+void shuffle_bytes(const uint8_t* in, int64_t k, int width, uint8_t* out);
+
+// The dense layout in one pass: out = shuffle(xor_values ? next ^ base : next), n elements.
+void dense_encode(const uint8_t* base, const uint8_t* next, int64_t n, int width, bool xor_values,
+                  uint8_t* out);
+
+// Result codes of sparse_apply.
+enum SparseStatus : int { kSparseOk = 0, kSparseNotIncreasing = 1, kSparseOutOfRange = 2 };
+
+// Patches target[0..n) from a sparse chunk `raw` of k elements (the layout above; 4 * k + width *
+// k bytes): target[pos] ^= value (xor) or target[pos] = value. The gaps are checked first
+// (first >= 0, later ones > 0, last position < n); on a bad one nothing is written and the
+// status says why. `last_pos` receives the last position (for the error message).
+int sparse_apply(uint8_t* target, int64_t n, int width, const uint8_t* raw, int64_t k,
+                 bool xor_values, int64_t* last_pos);
+
+// Patches target[0..n) from a dense chunk `raw` (n * width bytes, shuffled): target ^= values
+// (xor) or target = values.
+void dense_apply(uint8_t* target, int64_t n, int width, const uint8_t* raw, bool xor_values);
+
+// Which implementation the dispatch uses: "avx512", "avx2" or "generic".
+const char* delta_isa();
+
+// Uses `name` ("avx512", "avx2" or "generic") from now on, if this CPU supports it (returns
+// false and changes nothing otherwise). For tests: every implementation gives the same bytes.
+// Not thread-safe: call it while no kernel runs.
+bool delta_use_isa(const char* name);
+
+}  // namespace miles_transfer
