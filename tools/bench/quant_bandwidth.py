@@ -10,6 +10,8 @@ in bf16, single-threaded and with all threads, and puts side by side in the same
 - the plain dtype casts of torch (``dst.copy_(x)`` into a float8 buffer) and ml_dtypes
   (``np.copyto``), which compute no scale at all;
 - torchao's eager quantizers (``to_mx`` for MX formats, ``nvfp4_quantize`` for NVFP4);
+- NVIDIA ModelOpt's NVFP4 quantizer (``NVFP4QTensor.quantize``, pure torch) when
+  ``nvidia-modelopt`` is importable (not a dependency: run from a scratch venv that has it);
 - a measured memcpy of the same input (``dst.copy_(x)``, same dtype) at 1 and all threads.
 
 Every output buffer is written once before timing (first-touch page faults run at about
@@ -98,6 +100,17 @@ def _torchao() -> tuple[Callable[..., object], Callable[..., object], Callable[.
     return mx, nvfp4, per_tensor_amax_to_scale
 
 
+def _modelopt_nvfp4() -> Callable[[torch.Tensor], object] | None:
+    """ModelOpt's NVFP4 quantizer (real quantization, pure torch), if installed."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from modelopt.torch.quantization.qtensor import NVFP4QTensor
+    except ImportError:
+        return None
+    return lambda x: NVFP4QTensor.quantize(x, 16)
+
+
 def _ml_dtypes_cast(x: torch.Tensor, fmt: str) -> Callable[[], object] | None:
     try:
         import ml_dtypes
@@ -155,6 +168,11 @@ def methods_for(
             fn = functools.partial(mx, x2, elem, rule or "floor")
         for t in threads:
             ms.append(Method("torchao eager", t, fn, moved, slow_peer=True))
+    modelopt = _modelopt_nvfp4() if fmt == "nvfp4" else None
+    if modelopt is not None:
+        x2 = x.reshape(-1, x.shape[-1])
+        for t in threads:
+            ms.append(Method("modelopt", t, functools.partial(modelopt, x2), moved, slow_peer=True))
     return ms
 
 
@@ -206,6 +224,9 @@ def print_table(res: dict[str, object], threads: list[int], stat: str) -> None:
     head = ["format", *[f"{c} GB/s" for c in cols]]
     head += [f"native/memcpy {t1}t", f"native/memcpy {tn}t", f"native/torchao {t1}t",
              f"native/torchao {tn}t", f"native/torch cast {t1}t", "native/ml_dtypes"]  # fmt: skip
+    rows = res[stat]["formats"].values()  # type: ignore[index]
+    modelopt = [f"modelopt {t}t" for t in (t1, tn) if any(f"modelopt {t}t" in r for r in rows)]
+    head += [f"{c} GB/s" for c in modelopt] + [f"native/{c}" for c in modelopt]
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head))
     for label, row in res[stat]["formats"].items():  # type: ignore[index]
@@ -218,6 +239,10 @@ def print_table(res: dict[str, object], threads: list[int], stat: str) -> None:
         for peer in (f"torch cast {t1}t", f"ml_dtypes cast {t1}t"):
             v = row.get(peer)
             cells.append(f"{row[f'native {t1}t'] / v:.1f}x" if v else "-")
+        cells += [f"{row[c]:.2f}" if c in row else "-" for c in modelopt]
+        for c in modelopt:
+            native = row[f"native {c.split()[-1]}"]
+            cells.append(f"{native / row[c]:.0f}x" if c in row else "-")
         print("| " + " | ".join(cells) + " |")
 
 
