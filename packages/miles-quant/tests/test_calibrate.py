@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _checkpoint_testlib import VOCAB, build, qwen3_config, read_all, save
+from _checkpoint_testlib import VOCAB, build, qwen3_config, qwen3_moe_config, read_all, save
 from _quant_testlib import same_bits
 
 import miles_quant as mq
@@ -79,7 +79,9 @@ def _captured_inputs(model: torch.nn.Module, batches: list[Any]) -> dict[str, li
 
 def _by_hand(xs: list[torch.Tensor]) -> np.float32:
     """max |x| over all calls, computed in float64 from the inputs (exact), as fp32."""
-    return np.float32(max(float(np.abs(x.float().numpy().astype(np.float64)).max()) for x in xs))
+    return np.float32(
+        max(float(np.abs(x.detach().float().numpy().astype(np.float64)).max()) for x in xs)
+    )
 
 
 def _f32_bits(v: Any) -> int:
@@ -155,6 +157,60 @@ def test_export_writes_and_import_keeps_the_calibrated_scales(
     assert json.loads(saved.read_text()) == cal.amax
 
 
+def _experts_by_hand(model: Any, batches: list[Any]) -> dict[str, np.float32]:
+    """Per-expert input amax of fused experts, from the experts' own inputs and routing."""
+    seen: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    handles = []
+    for name, mod in model.named_modules():
+        if name.endswith("mlp.experts"):
+
+            def pre(m: Any, args: Any, name: str = name) -> None:
+                seen.append((name, args[0].detach().clone(), args[1].detach().clone()))
+
+            handles.append(mod.register_forward_pre_hook(pre))
+    model.config._experts_implementation = "eager"  # the path calibration observes
+    with torch.no_grad():
+        for b in batches:
+            model(**b)
+    model.config._experts_implementation = "grouped_mm"
+    for h in handles:
+        h.remove()
+    xs: dict[str, list[torch.Tensor]] = {}
+    for name, hidden, top_k in seen:
+        mod = model.get_submodule(name)
+        for e in range(mod.gate_up_proj.shape[0]):
+            _, tok = torch.where((top_k == e).T)  # the eager loop's token order
+            if tok.numel() == 0:
+                continue
+            x = hidden[tok]
+            with torch.no_grad():
+                gate, up = torch.nn.functional.linear(x, mod.gate_up_proj[e]).chunk(2, dim=-1)
+            for leaf, inp in (("gate", x), ("up", x), ("down", mod.act_fn(gate) * up)):
+                xs.setdefault(f"{name}.{e}.{leaf}_proj", []).append(inp)
+    return {n: _by_hand(v) for n, v in xs.items()}
+
+
+def test_fused_moe_experts_per_expert_bit_for_bit(tmp_path: Path) -> None:
+    model = build(qwen3_moe_config())
+    assert model.config._experts_implementation == "grouped_mm"
+    batches = _batches()
+    cal = collect_input_amax(model, batches)
+    assert model.config._experts_implementation == "grouped_mm"  # restored
+    want = _experts_by_hand(model, batches)
+    experts = {n: a for n, a in cal.amax.items() if ".experts." in n}
+    assert set(experts) == set(want)
+    assert len(want) + len(cal.unused) == 2 * 4 * 3  # 2 layers x 4 experts x gate/up/down
+    for n, a in experts.items():
+        assert _f32_bits(a) == _f32_bits(want[n]), n
+    # Exported under the per-expert names engines load, each with its own input_scale.
+    out = tmp_path / "nv"
+    plan = export_checkpoint(save(model, tmp_path / "bf16"), out, "nvfp4", input_amax=cal.amax)
+    raw = read_all(out)
+    for n, a in experts.items():
+        assert same_bits(raw[n + ".input_scale"], input_scale(a)), n
+    assert all(plan.input_scales[n] != 1.0 for n in experts)
+
+
 def test_modules_filter_and_unused_modules() -> None:
     net = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
 
@@ -186,7 +242,10 @@ def test_non_finite_activation_names_module_and_batch(bad: float) -> None:
 
 def test_errors() -> None:
     net = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"no torch\.nn\.Linear module of the model is selected"):
+    with pytest.raises(
+        ValueError,
+        match=r"no torch\.nn\.Linear module \(or fused MoE expert\) of the model is selected",
+    ):
         collect_input_amax(net, [torch.ones(1, 4)], modules=["*.experts.*"])
     with pytest.raises(ValueError, match=r"no torch\.nn\.Linear module"):
         collect_input_amax(torch.nn.ReLU(), [torch.ones(1, 4)])

@@ -6,7 +6,8 @@ scalar per Linear module (engines take the max over modules fused into one GEMM,
 q/k/v, and use ``1 / input_scale`` to quantize, ``input_scale * weight_scale_2`` as the GEMM's
 alpha). This module measures that amax: it runs a model over calibration batches with forward
 pre-hooks on its ``torch.nn.Linear`` modules and records, per module, the largest ``|x|`` of
-any input over all batches.
+any input over all batches. Fused MoE experts (transformers' ``mlp.experts`` with 3-D
+``gate_up_proj`` / ``down_proj``) are recorded per expert, under the names engines load.
 
     from miles_quant.calibrate import calibrate_checkpoint, read_prompts
     from miles_quant.checkpoint import export_checkpoint
@@ -20,15 +21,17 @@ any input over all batches.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from miles_quant._calibrate_experts import ExpertSpy, eager_experts, fused_expert_slices
 from miles_quant._checkpoint_select import _check_pattern, matches
 
 __all__ = [
@@ -103,27 +106,16 @@ def input_scale(amax: float | torch.Tensor, fmt: str = "nvfp4") -> torch.Tensor:
     return a / INPUT_SCALE_DIVISORS[fmt]
 
 
-def _select_linears(
-    model: torch.nn.Module, modules: Sequence[str] | None, skip: Sequence[str]
-) -> list[tuple[str, torch.nn.Linear]]:
+def _selector(modules: Sequence[str] | None, skip: Sequence[str]) -> Callable[[str], bool]:
     for p in (*(modules or ()), *skip):
         _check_pattern(p)
-    out = []
-    for name, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.Linear):
-            continue
+
+    def selected(name: str) -> bool:
         if modules is not None and not any(matches(name, p) for p in modules):
-            continue
-        if any(matches(name, p) for p in skip):
-            continue
-        out.append((name, mod))
-    if not out:
-        raise ValueError(
-            f"no torch.nn.Linear module of the model is selected (modules={list(modules or [])} "
-            f"skip={list(skip)}); calibration hooks Linear modules only: check the patterns "
-            "(globs on module names such as '*.mlp.*', or 're:' + a regex)"
-        )
-    return out
+            return False
+        return not any(matches(name, p) for p in skip)
+
+    return selected
 
 
 def _run(model: torch.nn.Module, batch: Any) -> None:
@@ -146,48 +138,68 @@ def collect_input_amax(
 
     A forward pre-hook on every selected ``torch.nn.Linear`` takes ``|x|.amax()`` of its input
     (exact in the input's dtype, then widened to fp32) on every call; a module's amax is the
-    max over all calls and batches. The model runs under ``torch.no_grad()``; its parameters
-    and mode are not changed (put it in eval mode yourself); the hooks are removed on return
-    and on error.
+    max over all calls and batches. Fused MoE experts (a module with 3-D ``gate_up_proj`` and
+    ``down_proj``, as transformers keeps Qwen2/3-MoE and DeepSeek experts) are recorded per
+    expert under the names engines load (``...mlp.experts.{e}.gate_proj``, ``up_proj``,
+    ``down_proj``), from the inputs of each expert's ``F.linear`` (the experts run their eager
+    loop meanwhile). The model runs under ``torch.no_grad()``; its parameters and mode are not
+    changed (put it in eval mode yourself); hooks and settings are restored on return and on
+    error.
 
     Args:
         model: any module, e.g. an HF causal LM.
         batches: each item is passed as ``model(**b)`` (a mapping, e.g. ``{"input_ids": ...}``),
             ``model(*b)`` (a tuple or list) or ``model(b)``.
         modules: patterns (globs on module names, or "re:" + a regex) selecting the Linear
-            modules to hook; default all of them.
+            modules (and per-expert names) to record; default all of them.
         skip: patterns of Linear modules not to hook (default ``lm_head``, never quantized).
 
     Returns:
         A `Calibration` (``amax`` per module that received input).
 
     Raises:
-        ValueError: no Linear module selected; no batch at all; a module's input holds NaN or
-            Inf (the message names the module and the batch).
+        ValueError: no Linear module or expert selected; no batch at all; a module's input
+            holds NaN or Inf (the message names the module and the batch).
     """
-    targets = _select_linears(model, modules, skip)
+    selected = _selector(modules, skip)
+    linears = [
+        (n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and selected(n)
+    ]
+    slices = fused_expert_slices(model, selected)
+    targets = [n for n, _ in linears] + [n for _, names in slices.values() for n in names]
+    if not targets:
+        raise ValueError(
+            f"no torch.nn.Linear module (or fused MoE expert) of the model is selected "
+            f"(modules={list(modules or [])} skip={list(skip)}); check the patterns (globs on "
+            "module names such as '*.mlp.*', or 're:' + a regex)"
+        )
     amax: dict[str, torch.Tensor] = {}
     state = {"batch": 0}
+
+    def record(name: str, x: torch.Tensor) -> None:
+        if x.numel() == 0:
+            return
+        a = x.detach().abs().amax().float().cpu()
+        if not torch.isfinite(a):
+            raise ValueError(
+                f"the input of {name} holds NaN or Inf in calibration batch {state['batch']}; "
+                "an amax (and so input_scale) would be meaningless: fix the model or data"
+            )
+        prev = amax.get(name)
+        amax[name] = a if prev is None else torch.maximum(prev, a)
 
     def hook_for(name: str) -> Any:
         def hook(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             x = args[0] if args else kwargs.get("input")
-            if not isinstance(x, torch.Tensor) or x.numel() == 0:
-                return
-            a = x.detach().abs().amax().float().cpu()
-            if not torch.isfinite(a):
-                raise ValueError(
-                    f"the input of {name} holds NaN or Inf in calibration batch {state['batch']}; "
-                    "an amax (and so input_scale) would be meaningless: fix the model or data"
-                )
-            prev = amax.get(name)
-            amax[name] = a if prev is None else torch.maximum(prev, a)
+            if isinstance(x, torch.Tensor):
+                record(name, x)
 
         return hook
 
-    handles = [m.register_forward_pre_hook(hook_for(n), with_kwargs=True) for n, m in targets]
+    handles = [m.register_forward_pre_hook(hook_for(n), with_kwargs=True) for n, m in linears]
+    spy = ExpertSpy(slices, record) if slices else contextlib.nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), eager_experts(model), spy:
             for batch in batches:
                 _run(model, batch)
                 state["batch"] += 1
@@ -199,9 +211,9 @@ def collect_input_amax(
             "empty calibration set: no batch was given; pass at least one batch of inputs"
         )
     return Calibration(
-        amax={n: float(amax[n]) for n, _ in targets if n in amax},
+        amax={n: float(amax[n]) for n in targets if n in amax},
         batches=state["batch"],
-        unused=[n for n, _ in targets if n not in amax],
+        unused=[n for n in targets if n not in amax],
     )
 
 
