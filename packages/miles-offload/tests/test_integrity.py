@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import textwrap
@@ -97,6 +98,33 @@ def test_failed_write_keeps_the_previous_step(tmp_path: Path) -> None:
     assert_same_params(params, before)  # rolled back, including already-updated buckets
     opt._store._after_write = None  # type: ignore[union-attr]
     run(params, opt, range(3, 5))  # the failed step is retried as if it never happened
+    assert_same_params(params, want_p)
+    assert_same_state(opt.state_dict(), want_sd)
+
+
+def test_full_disk_fails_before_any_byte_is_written(tmp_path: Path) -> None:
+    # A real allocation failure (the file-size limit makes fallocate fail with EFBIG, as a full
+    # disk fails with ENOSPC): new slot files are preallocated before the pager writes them, so
+    # the step fails with a clear error, no bucket file holds any data and nothing is committed.
+    want_p, want_sd = reference(3)
+    params = make_params()
+    opt = _nvme(params, tmp_path)
+    before = [p.detach().clone() for p in params]
+    committed = {f: f.read_bytes() for f in tmp_path.glob("bucket_*.bin")}  # the initial state
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(OSError, match=r"cannot allocate \d+ bytes for .*bucket_000000") as info:
+            run(params, opt, range(1))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert "previous step's state stays the committed one" in str(info.value)
+    assert_same_params(params, before)
+    new = [f for f in tmp_path.glob("bucket_*.bin") if f not in committed]
+    assert len(new) == len(committed)
+    assert all(f.stat().st_size == 0 for f in new)
+    assert all(f.read_bytes() == data for f, data in committed.items())
+    run(params, opt, range(3))  # with room again, as if the failed step never happened
     assert_same_params(params, want_p)
     assert_same_state(opt.state_dict(), want_sd)
 

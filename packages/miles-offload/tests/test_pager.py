@@ -4,8 +4,10 @@ warning; the environment override forces the fallback; errors are clear."""
 
 from __future__ import annotations
 
+import errno
 import os
 import platform
+import resource
 import subprocess
 import sys
 import textwrap
@@ -86,6 +88,43 @@ def test_short_file_and_misaligned_buffers_raise(tmp_path: Path) -> None:
         mo.Pager(block_size=1000)
     with pytest.raises(ValueError, match="queue_depth"):
         mo.Pager(queue_depth=0)
+
+
+def test_preallocate_allocates_keeps_data_and_fails_before_writing(tmp_path: Path) -> None:
+    from miles_offload._pager import preallocate
+
+    fd, _ = mo.open_direct(tmp_path / "pre.bin", create=True)
+    try:
+        # A new file gets every block allocated (not a sparse file), reading as zeros.
+        assert preallocate(fd, 1 << 20)
+        st = os.fstat(fd)
+        assert st.st_size == 1 << 20
+        assert st.st_blocks * 512 >= 1 << 20
+        pager = mo.Pager(queue_depth=2, block_size=65536)
+        data = mo.aligned_empty(65536)
+        data.copy_(torch.randint(0, 256, (65536,), dtype=torch.uint8))
+        pager.write(fd, 0, data)
+        # Growing keeps what was written; shrinking truncates.
+        assert preallocate(fd, 3 << 20)
+        back = mo.aligned_empty(3 << 20)
+        pager.read(fd, 0, back)
+        assert torch.equal(back[:65536], data)
+        assert int(back[65536:].count_nonzero()) == 0
+        assert preallocate(fd, 65536)
+        assert os.fstat(fd).st_size == 65536
+        # No room (here: the file-size limit; Python ignores SIGXFSZ): an OSError, nothing grown.
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 17, hard))
+        try:
+            with pytest.raises(OSError, match="File too large") as info:
+                preallocate(fd, 1 << 20)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        assert info.value.errno == errno.EFBIG
+        assert os.fstat(fd).st_size == 65536
+        pager.close()
+    finally:
+        os.close(fd)
 
 
 @NATIVE

@@ -25,7 +25,7 @@ import torch
 
 from miles_offload import _native
 
-__all__ = ["ALIGN", "BACKENDS", "Pager", "aligned_empty", "crc32c", "open_direct"]
+__all__ = ["ALIGN", "BACKENDS", "Pager", "aligned_empty", "crc32c", "open_direct", "preallocate"]
 
 ALIGN = 4096  # O_DIRECT alignment of addresses, offsets and lengths (the page size)
 BACKENDS = ("auto", "io_uring", "threads", "python")
@@ -63,6 +63,58 @@ def open_direct(path: str | os.PathLike[str], *, create: bool) -> tuple[int, boo
         if exc.errno != errno.EINVAL:
             raise
     return os.open(path, flags, 0o644), False
+
+
+# fallocate(2) through libc (os has only posix_fallocate, whose glibc emulation for filesystems
+# without fallocate writes single bytes, which O_DIRECT files refuse). None: not available.
+_FALLOCATE: Any = None
+_FALLOCATE_LOOKED_UP = False
+# errnos meaning "this filesystem or kernel cannot preallocate": a sparse file is used instead.
+_NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV}
+
+
+def _fallocate() -> Any:
+    global _FALLOCATE, _FALLOCATE_LOOKED_UP
+    if not _FALLOCATE_LOOKED_UP:
+        _FALLOCATE_LOOKED_UP = True
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).fallocate
+        except (AttributeError, OSError):  # not Linux
+            fn = None
+        if fn is not None:
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            fn.restype = ctypes.c_int
+        _FALLOCATE = fn
+    return _FALLOCATE
+
+
+def preallocate(fd: int, nbytes: int) -> bool:
+    """Make the file ``fd`` exactly ``nbytes`` long with its blocks allocated up front.
+
+    ``fallocate(fd, 0, 0, nbytes)``, as fio lays out a new file before writing it: a full disk
+    fails here, before any byte of the transfer, and the extents are allocated in one call
+    instead of under each O_DIRECT write. Existing data is kept (a longer file is truncated
+    first). Where the filesystem cannot preallocate, the file is extended sparsely instead.
+
+    Returns:
+        True if the blocks were preallocated, False if the file was extended sparsely.
+
+    Raises:
+        OSError: the space cannot be allocated (ENOSPC, EFBIG, EDQUOT, EIO, ...).
+    """
+    if os.fstat(fd).st_size > nbytes:
+        os.ftruncate(fd, nbytes)
+    fn = _fallocate()
+    while fn is not None and nbytes > 0:
+        if fn(fd, 0, 0, nbytes) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in _NO_FALLOCATE:
+            break
+        if err != errno.EINTR:
+            raise OSError(err, os.strerror(err))
+    os.ftruncate(fd, nbytes)
+    return False
 
 
 _CRC_TABLE: list[int] | None = None

@@ -28,7 +28,7 @@ import torch
 
 from miles_offload._format import CorruptStateError, decode_header, encode_header
 from miles_offload._layout import Bucket
-from miles_offload._pager import Pager, aligned_empty, open_direct
+from miles_offload._pager import Pager, aligned_empty, open_direct, preallocate
 
 __all__ = ["MANIFEST", "POOL_BUFFERS", "CpuStore", "NvmeStore"]
 
@@ -193,7 +193,17 @@ class NvmeStore:
         steps = [float(self._steps[s.param]) for s in b.segments]
         fd = self._fd(i, slot, create=True)
         if os.fstat(fd).st_size != b.nbytes:
-            os.ftruncate(fd, b.nbytes)
+            # A new slot file: allocate all of it first (a full disk fails before any write;
+            # later steps overwrite these blocks in place).
+            try:
+                preallocate(fd, b.nbytes)
+            except OSError as exc:
+                raise OSError(
+                    exc.errno,
+                    f"miles_offload: cannot allocate {b.nbytes} bytes for {self._file(i, slot)} "
+                    f"({exc.strerror}); free space there or pass another path. This step is "
+                    "not committed: the previous step's state stays the committed one",
+                ) from exc
         # The payload first (the pager checksums it on the way), then the header with that sum.
         payload = buf[b.header_bytes : b.nbytes]
         crc = self._writep.write(fd, b.header_bytes, payload, crc_from=0)
