@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -138,6 +139,24 @@ def test_engine_seed_makes_unseeded_runs_reproducible(model_dir: Path) -> None:
             ]
             runs.append([f.result().output_ids for f in futs])
     assert runs[0] == runs[1]
+
+
+def test_num_threads_is_the_engine_threads_own(model_dir: Path) -> None:
+    # The engine thread decodes on num_threads; the caller (a trainer in the same process)
+    # keeps its own count, and so do threads started afterwards.
+    before = torch.get_num_threads()
+    want = 1 if before > 1 else 2
+    with EngineConfig(model_path=str(model_dir), num_threads=want).build() as eng:
+        assert eng._scheduler.call(torch.get_num_threads) == want
+        assert torch.get_num_threads() == before
+        out = eng.generate(_prompt(6), SamplingParams(max_new_tokens=4, ignore_eos=True))
+        assert len(out.output_ids) == 4
+        seen: list[int] = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == [before]
+    assert torch.get_num_threads() == before
 
 
 def test_stop_token_ids_and_finish_reasons(engine: Engine) -> None:

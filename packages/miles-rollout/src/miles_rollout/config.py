@@ -29,8 +29,12 @@ class EngineConfig:
             takes the model's ``max_position_embeddings``; a larger value is rejected.
         seed: seeds the engine's random stream, from which every request without its own
             ``SamplingParams.seed`` draws one.
-        num_threads: if set, ``torch.set_num_threads(num_threads)`` at start-up. Torch's
-            thread pool is per process, so this affects every torch user in the process.
+        num_threads: intra-op threads of the engine thread (prefill and decode). ``None``
+            keeps torch's setting for new threads (normally one per core). The setting is
+            the engine thread's own: the rest of the process, a trainer in the same process
+            for instance, keeps its thread count. For small models decoding is bound by
+            per-op overhead and one thread is as fast as two, and a second OpenMP team would
+            spin on the cores the trainer needs next.
         weight_version: the version string reported with the initial weights.
     """
 

@@ -61,8 +61,6 @@ class Engine:
 
         self.config = config
         path = check_checkpoint_dir(config.model_path)
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
         self.dtype: torch.dtype = config.torch_dtype
         self.model_path = str(path.resolve())
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
@@ -99,6 +97,7 @@ class Engine:
             max_running=config.max_running_requests,
             tokenizer=self.tokenizer,
             weight_version=lambda: self._weight_version,
+            num_threads=config.num_threads,
         )
 
     # ---- generation --------------------------------------------------------------------------
