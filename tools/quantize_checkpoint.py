@@ -15,6 +15,8 @@ Laptop (CPU, a tiny model from tools/make_tiny_model.py or any HF safetensors di
     python tools/quantize_checkpoint.py MODEL_DIR OUT_DIR -f int4_g128 --only '*.experts.*'
     python tools/quantize_checkpoint.py MODEL_DIR OUT_DIR -f nvfp4 --keep-first-layers 1 \
         --keep-last-layers 1 --keep '*.self_attn.*' --dry-run
+    python tools/quantize_checkpoint.py MODEL_DIR OUT_DIR -f nvfp4 --calib-data prompts.jsonl \
+        --calib-samples 128       # NVFP4 input_scale calibrated by running the model (CPU)
     python tools/quantize_checkpoint.py OUT_DIR PLAIN_DIR --dequantize --dtype bfloat16
 Cluster: the same command on the node that holds the checkpoint; it streams tensor by
 tensor (one tensor, or one fused q/k/v or gate/up group for NVFP4, in memory at a time) and

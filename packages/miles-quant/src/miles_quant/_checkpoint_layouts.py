@@ -8,7 +8,7 @@ parameter ``model.layers.0.mlp.experts.gate_up_proj``):
   float32 [..., ceil(N/128), ceil(K/128)] (the dequantization multiplier).
 - ModelOpt NVFP4 (nvfp4): ``P`` uint8 [..., N, K/2], ``P_scale`` float8_e4m3fn [..., N, K/16],
   ``P_scale_2`` float32 [] ([E] for a fused [E, N, K] parameter), and the module's
-  ``input_scale`` float32 [] (activation global scale, amax / 2688).
+  ``input_scale`` float32 [] (activation global scale, amax / 2688: miles_quant.calibrate).
 - gpt-oss MXFP4 (mxfp4): ``P_blocks`` uint8 [..., N, K/32, 16] and ``P_scales`` uint8
   [..., N, K/32] (E8M0 codes).
 - compressed-tensors INT4 pack-quantized (int4_g32, int4_g128): ``P_packed`` int32
@@ -28,8 +28,6 @@ from miles_quant._api import QuantizedTensor
 from miles_quant.version import __version__
 
 __all__ = ["LAYOUTS", "Layout", "decode", "encode", "input_scale_name", "layout_of_config"]
-
-NVFP4_INPUT_DIVISOR = 2688.0  # ModelOpt: input_scale = activation amax / (448 * 6)
 
 
 @dataclass(frozen=True, slots=True)
