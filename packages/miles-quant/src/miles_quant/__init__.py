@@ -13,7 +13,8 @@ Importing never initialises CUDA and never fails when the extension is missing (
 reference is used, with a one-time warning).
 
 Submodules: `miles_quant.checkpoint` (quantized HF checkpoints in the layouts engines load;
-needs safetensors) and `miles_quant.qat` (INT4 quantization-aware training).
+needs safetensors), `miles_quant.calibrate` (activation amax and static input scales, e.g.
+the NVFP4 `input_scale`) and `miles_quant.qat` (INT4 quantization-aware training).
 """
 
 from miles_quant._api import QuantizedTensor, dequantize, quantize
