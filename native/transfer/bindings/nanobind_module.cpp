@@ -78,25 +78,61 @@ NB_MODULE(_ext, m) {
 
   m.def(
       "delta_scan",
-      [](uintptr_t base, uintptr_t next, int64_t n, int width, bool xor_values, uintptr_t gaps,
-         uintptr_t values, int64_t cap) {
+      [](uintptr_t base, uintptr_t next, int64_t n, int width, bool xor_values,
+         uintptr_t positions, uintptr_t values, int64_t cap, uintptr_t hash_next,
+         uintptr_t hash_base, int64_t hash_offset) {
         check_width_len(width, n, "delta_scan");
+        if ((hash_next != 0 || hash_base != 0) && hash_offset % 64 != 0)
+          throw std::invalid_argument("miles_transfer._ext.delta_scan: hash_offset % 64 != 0");
         nb::gil_scoped_release release;
         return delta_scan(ptr<const uint8_t>(base), ptr<const uint8_t>(next), n, width,
-                          xor_values, ptr<int32_t>(gaps), ptr<uint8_t>(values), cap);
+                          xor_values, ptr<int32_t>(positions), ptr<uint8_t>(values), cap,
+                          ptr<Xxh3Long>(hash_next), ptr<Xxh3Long>(hash_base), hash_offset);
       },
       nb::arg("base"), nb::arg("next"), nb::arg("n"), nb::arg("width"), nb::arg("xor_values"),
-      nb::arg("gaps"), nb::arg("values"), nb::arg("cap"),
-      "Changed elements of next vs base: gaps and values written up to cap; returns the count.");
+      nb::arg("positions"), nb::arg("values"), nb::arg("cap"), nb::arg("hash_next") = 0,
+      nb::arg("hash_base") = 0, nb::arg("hash_offset") = 0,
+      "Changed elements of next vs base: positions and values written if at most cap; returns "
+      "the count. positions needs cap + 16 entries, values cap * width + 64 bytes. hash_next / "
+      "hash_base: addresses of Xxh3Long states fed next's / base's bytes at hash_offset (0: "
+      "none).");
+  m.attr("XXH3_STATE_BYTES") = static_cast<int64_t>(sizeof(Xxh3Long));
   m.def(
-      "shuffle_bytes",
-      [](uintptr_t in, int64_t k, int width, uintptr_t out) {
-        check_width_len(width, k, "shuffle_bytes");
-        nb::gil_scoped_release release;
-        shuffle_bytes(ptr<const uint8_t>(in), k, width, ptr<uint8_t>(out));
+      "xxh3_long_init",
+      [](uintptr_t state, int64_t len) {
+        if (len <= 240)
+          throw std::invalid_argument("miles_transfer._ext.xxh3_long_init: len <= 240");
+        xxh3_long_init(ptr<Xxh3Long>(state), len);
       },
-      nb::arg("src"), nb::arg("k"), nb::arg("width"), nb::arg("out"),
-      "Byte planes of k elements of width bytes.");
+      nb::arg("state"), nb::arg("len"), "Start an XXH3-128 digest of len (> 240) bytes.");
+  m.def(
+      "xxh3_long_update",
+      [](uintptr_t state, uintptr_t data, int64_t offset, int64_t bytes) {
+        if (offset % 64 != 0 || bytes < 0)
+          throw std::invalid_argument("miles_transfer._ext.xxh3_long_update: bad offset/bytes");
+        nb::gil_scoped_release release;
+        xxh3_long_update(ptr<Xxh3Long>(state), ptr<const uint8_t>(data), offset, bytes);
+      },
+      nb::arg("state"), nb::arg("data"), nb::arg("offset"), nb::arg("bytes"),
+      "Feed input bytes [offset, offset + bytes) (offset a multiple of 64).");
+  m.def(
+      "xxh3_long_digest",
+      [](uintptr_t state, uintptr_t input_end) {
+        uint64_t high = 0, low = 0;
+        xxh3_long_digest(ptr<const Xxh3Long>(state), ptr<const uint8_t>(input_end), &high, &low);
+        return nb::make_tuple(high, low);
+      },
+      nb::arg("state"), nb::arg("input_end"), "(high, low) of the finished digest.");
+  m.def(
+      "pack_sparse",
+      [](uintptr_t positions, uintptr_t values, int64_t k, int width, uintptr_t out) {
+        check_width_len(width, k, "pack_sparse");
+        nb::gil_scoped_release release;
+        pack_sparse(ptr<const int32_t>(positions), ptr<const uint8_t>(values), k, width,
+                    ptr<uint8_t>(out));
+      },
+      nb::arg("positions"), nb::arg("values"), nb::arg("k"), nb::arg("width"), nb::arg("out"),
+      "The sparse layout (gap planes, value planes) of k scanned elements.");
   m.def(
       "dense_encode",
       [](uintptr_t base, uintptr_t next, int64_t n, int width, bool xor_values, uintptr_t out) {

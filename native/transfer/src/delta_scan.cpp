@@ -1,18 +1,32 @@
 // Disk-delta kernels (see include/miles_transfer/delta_scan.h).
 //
-// delta_scan reads base and next once, 64 bytes at a time: a byte-inequality mask of the block
-// (one AVX-512BW compare, two AVX2 compares, or eight 64-bit xors), folded to one bit per
-// element, is usually zero; for the few set bits the gap and value are written out. The rest
-// are plain loops over the k changed elements, or over byte planes, which are short or rare
-// (dense chunks) at the change rates of an RL step.
+// delta_scan reads base and next once, 64 bytes at a time. AVX-512 (with VBMI2): one compare
+// gives the mask of changed elements, and compress instructions write their positions and values
+// without a branch per block or per element (at an RL step's ~2% change rate half the blocks
+// of bf16 hold a change, so branches would mispredict constantly). AVX2 and portable code: a
+// byte-inequality mask folded to one bit per element, and a loop over its set bits. The other
+// kernels are loops over the k changed elements or over byte planes, written so the compiler
+// vectorizes them; each is compiled once per instruction set (always_inline bodies called from
+// functions with a target attribute).
 #include "miles_transfer/delta_scan.h"
 
+// GCC 12 reports the deliberately undefined operand inside its own AVX-512 intrinsics
+// (_mm512_undefined_epi32) as maybe-uninitialized once they are inlined: a false positive.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 #include <cstring>
+#include <vector>
+
+#include "xxh3_long.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define MILES_X86 1
+#define MILES_AVX2 __attribute__((target("avx2,bmi,bmi2,popcnt")))
+#define MILES_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,bmi,bmi2,popcnt")))
 #endif
+#define MILES_INLINE inline __attribute__((always_inline))
 
 namespace miles_transfer {
 namespace {
@@ -20,20 +34,20 @@ namespace {
 constexpr int64_t kBlock = 64;  // bytes compared per step
 
 template <int W>
-inline uint64_t load_elem(const uint8_t* p) {
+MILES_INLINE uint64_t load_elem(const uint8_t* p) {
   uint64_t v = 0;
   std::memcpy(&v, p, W);  // little-endian hosts only (x86, arm64): the bytes as stored
   return v;
 }
 
 template <int W>
-inline void store_elem(uint8_t* p, uint64_t v) {
+MILES_INLINE void store_elem(uint8_t* p, uint64_t v) {
   std::memcpy(p, &v, W);
 }
 
 // One bit per element (at its first byte) from a mask of differing bytes.
 template <int W>
-inline uint64_t fold(uint64_t m) {
+MILES_INLINE uint64_t fold(uint64_t m) {
   if (W == 1) return m;
   if (W == 2) return (m | (m >> 1)) & 0x5555555555555555ULL;
   m |= m >> 1;
@@ -44,7 +58,11 @@ inline uint64_t fold(uint64_t m) {
 }
 
 // Byte-inequality mask of one 64-byte block, portable: bit b set iff a[b] != b[b].
-inline uint64_t block_mask_generic(const uint8_t* a, const uint8_t* b) {
+struct MaskGeneric {
+  MILES_INLINE uint64_t operator()(const uint8_t* a, const uint8_t* b) const;
+};
+
+MILES_INLINE uint64_t MaskGeneric::operator()(const uint8_t* a, const uint8_t* b) const {
   uint64_t m = 0;
   for (int w = 0; w < 8; ++w) {
     uint64_t x, y;
@@ -61,115 +79,96 @@ inline uint64_t block_mask_generic(const uint8_t* a, const uint8_t* b) {
   return m;
 }
 
-#ifdef MILES_X86
-__attribute__((target("avx2"))) inline uint64_t block_mask_avx2(const uint8_t* a,
-                                                                 const uint8_t* b) {
-  const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
-  const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-  const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32));
-  const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32));
-  const uint32_t eq0 = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(a0, b0)));
-  const uint32_t eq1 = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(a1, b1)));
-  return ~(static_cast<uint64_t>(eq0) | (static_cast<uint64_t>(eq1) << 32));
-}
+// ---- delta_scan: mask + bit loop (portable, AVX2) ----
 
-__attribute__((target("avx512f,avx512bw"))) inline uint64_t block_mask_avx512(const uint8_t* a,
-                                                                               const uint8_t* b) {
-  return _cvtmask64_u64(_mm512_cmpneq_epu8_mask(_mm512_loadu_si512(a), _mm512_loadu_si512(b)));
-}
-#endif
-
-// Writes the gaps and values of the elements flagged in `em` (bits at element starts of the
-// block at byte offset `off`); counts only once `cap` entries are written.
 template <int W, bool XOR>
 struct Emitter {
   const uint8_t* base;
   const uint8_t* next;
-  int32_t* gaps;
+  int32_t* positions;
   uint8_t* values;
   int64_t cap;
   int64_t k = 0;
-  int64_t prev = 0;
 
-  inline void emit(uint64_t em, int64_t off) {
-    if (k >= cap) {
+  MILES_INLINE void emit(uint64_t em, int64_t off) {
+    if (k + __builtin_popcountll(em) > cap) {  // too many for a sparse chunk: count only
       k += __builtin_popcountll(em);
       return;
     }
     while (em) {
-      const int b = __builtin_ctzll(em);
+      const int64_t byte = off + __builtin_ctzll(em);
       em &= em - 1;
-      if (k < cap) {
-        const int64_t byte = off + b;
-        const int64_t pos = byte / W;
-        gaps[k] = static_cast<int32_t>(pos - prev);
-        prev = pos;
-        uint64_t v = load_elem<W>(next + byte);
-        if (XOR) v ^= load_elem<W>(base + byte);
-        store_elem<W>(values + k * W, v);
-      }
+      positions[k] = static_cast<int32_t>(byte / W);
+      uint64_t v = load_elem<W>(next + byte);
+      if (XOR) v ^= load_elem<W>(base + byte);
+      store_elem<W>(values + k * W, v);
       ++k;
     }
   }
 };
 
-// The scan loop, instantiated per element width, value kind and block-mask implementation.
-#define MILES_DEFINE_SCAN(NAME, ATTR, MASK)                                                     \
+void hash_scalar(Xxh3Long* st, const uint8_t* data, int64_t offset, int64_t bytes) {
+  const int64_t last = xxh3::regular_stripes(st->len);
+  for (int64_t s = offset / 64, o = 0; o + 64 <= bytes && s < last; ++s, o += 64)
+    xxh3::stripe_scalar(st->acc, data + o, s);
+}
+
+inline int64_t hash_after(int64_t k, Xxh3Long* hn, const uint8_t* next, Xxh3Long* hb,
+                          const uint8_t* base, int64_t offset, int64_t bytes) {
+  if (hn) hash_scalar(hn, next, offset, bytes);
+  if (hb) hash_scalar(hb, base, offset, bytes);
+  return k;
+}
+
+// The bit-loop scan, defined per instruction set (an always_inline body cannot call a
+// target-specific mask function unless it has that target itself).
+#define MILES_SCAN_BITS(NAME, ATTR, MASK)                                                       \
   template <int W, bool XOR>                                                                    \
-  ATTR int64_t NAME(const uint8_t* base, const uint8_t* next, int64_t n, int32_t* gaps,         \
+  ATTR int64_t NAME(const uint8_t* base, const uint8_t* next, int64_t n, int32_t* positions,    \
                     uint8_t* values, int64_t cap) {                                             \
-    Emitter<W, XOR> e{base, next, gaps, values, cap};                                           \
+    Emitter<W, XOR> e{base, next, positions, values, cap};                                      \
     const int64_t bytes = n * W;                                                                \
     const int64_t full = bytes - bytes % kBlock;                                                \
     for (int64_t off = 0; off < full; off += kBlock) {                                          \
-      const uint64_t m = MASK(base + off, next + off);                                          \
+      const uint64_t m = MASK{}(base + off, next + off);                                        \
       if (m) e.emit(fold<W>(m), off);                                                           \
     }                                                                                           \
     if (full < bytes) { /* the tail, zero-padded: padding never differs */                      \
       uint8_t a[kBlock] = {0}, b[kBlock] = {0};                                                 \
       std::memcpy(a, base + full, static_cast<size_t>(bytes - full));                           \
       std::memcpy(b, next + full, static_cast<size_t>(bytes - full));                           \
-      const uint64_t m = block_mask_generic(a, b);                                              \
+      const uint64_t m = MaskGeneric{}(a, b);                                                   \
       if (m) e.emit(fold<W>(m), full);                                                          \
     }                                                                                           \
     return e.k;                                                                                 \
   }
 
-MILES_DEFINE_SCAN(scan_generic, , block_mask_generic)
-#ifdef MILES_X86
-MILES_DEFINE_SCAN(scan_avx2, __attribute__((target("avx2"))), block_mask_avx2)
-MILES_DEFINE_SCAN(scan_avx512, __attribute__((target("avx512f,avx512bw"))), block_mask_avx512)
-#endif
-#undef MILES_DEFINE_SCAN
+MILES_SCAN_BITS(scan_bits_generic, , MaskGeneric)
 
-enum class Isa { kGeneric, kAvx2, kAvx512 };
+// ---- the O(k) and byte-plane loops (vectorized by the compiler per target) ----
 
-Isa detect() {
-#ifdef MILES_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
-    return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2")) return Isa::kAvx2;
-#endif
-  return Isa::kGeneric;
-}
-
-const Isa kBest = detect();
-Isa g_isa = kBest;  // set once at load; delta_use_isa may lower it (tests)
-
-template <int W, bool XOR>
-int64_t scan(const uint8_t* base, const uint8_t* next, int64_t n, int32_t* gaps, uint8_t* values,
-             int64_t cap) {
-#ifdef MILES_X86
-  if (g_isa == Isa::kAvx512) return scan_avx512<W, XOR>(base, next, n, gaps, values, cap);
-  if (g_isa == Isa::kAvx2) return scan_avx2<W, XOR>(base, next, n, gaps, values, cap);
-#endif
-  return scan_generic<W, XOR>(base, next, n, gaps, values, cap);
+// Sparse layout from positions and values: gap planes, then value planes.
+template <int W>
+MILES_INLINE void pack_sparse(const int32_t* positions, const uint8_t* values, int64_t k,
+                              uint8_t* out) {
+  uint8_t* g0 = out;
+  for (int64_t i = 0; i < k; ++i) {
+    const uint32_t gap = static_cast<uint32_t>(positions[i] - (i ? positions[i - 1] : 0));
+    g0[i] = static_cast<uint8_t>(gap);
+    g0[k + i] = static_cast<uint8_t>(gap >> 8);
+    g0[2 * k + i] = static_cast<uint8_t>(gap >> 16);
+    g0[3 * k + i] = static_cast<uint8_t>(gap >> 24);
+  }
+  uint8_t* v0 = out + 4 * k;
+  for (int64_t i = 0; i < k; ++i) {
+    const uint64_t v = load_elem<W>(values + i * W);
+    for (int j = 0; j < W; ++j) v0[j * k + i] = static_cast<uint8_t>(v >> (8 * j));
+  }
 }
 
 // Byte planes of (next ^ base) or next; base unused when !XOR.
 template <int W, bool XOR>
-void planes(const uint8_t* base, const uint8_t* next, int64_t n, uint8_t* out) {
+MILES_INLINE void planes(const uint8_t* base, const uint8_t* next, int64_t n, uint8_t* out) {
   for (int64_t i = 0; i < n; ++i) {
     uint64_t v = load_elem<W>(next + i * W);
     if (XOR) v ^= load_elem<W>(base + i * W);
@@ -178,14 +177,14 @@ void planes(const uint8_t* base, const uint8_t* next, int64_t n, uint8_t* out) {
 }
 
 template <int W>
-inline uint64_t gather(const uint8_t* raw, int64_t n, int64_t i) {
+MILES_INLINE uint64_t gather(const uint8_t* raw, int64_t n, int64_t i) {
   uint64_t v = 0;
   for (int j = 0; j < W; ++j) v |= static_cast<uint64_t>(raw[j * n + i]) << (8 * j);
   return v;
 }
 
 template <int W, bool XOR>
-void unplanes(uint8_t* target, int64_t n, const uint8_t* raw) {
+MILES_INLINE void unplanes(uint8_t* target, int64_t n, const uint8_t* raw) {
   for (int64_t i = 0; i < n; ++i) {
     uint64_t v = gather<W>(raw, n, i);
     if (XOR) v ^= load_elem<W>(target + i * W);
@@ -193,95 +192,359 @@ void unplanes(uint8_t* target, int64_t n, const uint8_t* raw) {
   }
 }
 
+// Gaps from their planes into `gaps`; returns the last position (their sum), or -1 when they
+// do not increase strictly (the first gap may be 0: position 0; every later one must be > 0).
+MILES_INLINE int32_t gap_at(const uint8_t* raw, int64_t k, int64_t i) {
+  return static_cast<int32_t>(static_cast<uint32_t>(raw[i]) |
+                              (static_cast<uint32_t>(raw[k + i]) << 8) |
+                              (static_cast<uint32_t>(raw[2 * k + i]) << 16) |
+                              (static_cast<uint32_t>(raw[3 * k + i]) << 24));
+}
+
+MILES_INLINE int64_t unpack_gaps(const uint8_t* raw, int64_t k, int32_t* gaps) {
+  if (k == 0) return 0;
+  gaps[0] = gap_at(raw, k, 0);
+  int32_t low = gaps[0] < 0 ? 0 : 1;  // 0 marks a bad gap
+  int64_t sum = gaps[0];
+  for (int64_t i = 1; i < k; ++i) {
+    const int32_t g = gap_at(raw, k, i);
+    gaps[i] = g;
+    low = g < low ? g : low;
+    sum += g;
+  }
+  return low <= 0 ? -1 : sum;
+}
+
 template <int W, bool XOR>
-void scatter(uint8_t* target, const uint8_t* raw, int64_t k) {
-  const uint8_t* vals = raw + 4 * k;
+MILES_INLINE void scatter(uint8_t* target, const int32_t* gaps, const uint8_t* vals, int64_t k) {
   int64_t pos = 0;
   for (int64_t i = 0; i < k; ++i) {
-    pos += static_cast<int32_t>(gather<4>(raw, k, i));
+    pos += gaps[i];
     uint64_t v = gather<W>(vals, k, i);
     if (XOR) v ^= load_elem<W>(target + pos * W);
     store_elem<W>(target + pos * W, v);
   }
 }
 
-// Calls F<W, XOR>::run(args...) for a run-time width and value kind.
-template <template <int, bool> class F, typename... A>
-auto by_width(int width, bool xor_values, A... args) {
+#ifdef MILES_X86
+// ---- delta_scan with AVX-512 compress ----
+
+template <int W>
+struct Lanes;
+template <>
+struct Lanes<1> {
+  MILES_AVX512 static uint64_t ne(__m512i a, __m512i b) { return _mm512_cmpneq_epu8_mask(a, b); }
+  MILES_AVX512 static __m512i compress(uint64_t m, __m512i v) {
+    return _mm512_maskz_compress_epi8(m, v);
+  }
+};
+template <>
+struct Lanes<2> {
+  MILES_AVX512 static uint64_t ne(__m512i a, __m512i b) { return _mm512_cmpneq_epu16_mask(a, b); }
+  MILES_AVX512 static __m512i compress(uint64_t m, __m512i v) {
+    return _mm512_maskz_compress_epi16(static_cast<__mmask32>(m), v);
+  }
+};
+template <>
+struct Lanes<4> {
+  MILES_AVX512 static uint64_t ne(__m512i a, __m512i b) { return _mm512_cmpneq_epu32_mask(a, b); }
+  MILES_AVX512 static __m512i compress(uint64_t m, __m512i v) {
+    return _mm512_maskz_compress_epi32(static_cast<__mmask16>(m), v);
+  }
+};
+template <>
+struct Lanes<8> {
+  MILES_AVX512 static uint64_t ne(__m512i a, __m512i b) { return _mm512_cmpneq_epu64_mask(a, b); }
+  MILES_AVX512 static __m512i compress(uint64_t m, __m512i v) {
+    return _mm512_maskz_compress_epi64(static_cast<__mmask8>(m), v);
+  }
+};
+
+// One XXH3 stripe (64 bytes, in a register) of stripe number s, then the scramble after every
+// 16th (the scalar xxh3::stripe_scalar, eight lanes at once).
+MILES_AVX512 MILES_INLINE __m512i stripe_avx512(__m512i acc, __m512i data, int64_t s) {
+  const __m512i key = _mm512_loadu_si512(xxh3::kSecret + (s % xxh3::kStripesPerBlock) * 8);
+  const __m512i dk = _mm512_xor_si512(data, key);
+  const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
+  const __m512i swapped = _mm512_shuffle_epi32(data, static_cast<_MM_PERM_ENUM>(0x4E));
+  acc = _mm512_add_epi64(acc, _mm512_add_epi64(prod, swapped));
+  if (s % xxh3::kStripesPerBlock == xxh3::kStripesPerBlock - 1) {
+    acc = _mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47));
+    acc = _mm512_xor_si512(acc, _mm512_loadu_si512(xxh3::kSecret + xxh3::kScrambleAt));
+    const __m512i prime = _mm512_set1_epi64(static_cast<int64_t>(xxh3::kP32_1));
+    const __m512i lo = _mm512_mul_epu32(acc, prime);
+    const __m512i hi = _mm512_mul_epu32(_mm512_srli_epi64(acc, 32), prime);
+    acc = _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
+  }
+  return acc;
+}
+
+MILES_AVX512 void hash_avx512(Xxh3Long* st, const uint8_t* data, int64_t offset, int64_t bytes) {
+  __m512i acc = _mm512_loadu_si512(st->acc);
+  const int64_t last = xxh3::regular_stripes(st->len);
+  for (int64_t s = offset / 64, o = 0; o + 64 <= bytes && s < last; ++s, o += 64)
+    acc = stripe_avx512(acc, _mm512_loadu_si512(data + o), s);
+  _mm512_storeu_si512(st->acc, acc);
+}
+
+// Needs `positions` to hold cap + 16 entries and `values` cap * W + 64 bytes (full-vector
+// stores past the last entry). With HN / HB, each 64-byte block of next / base is also an XXH3
+// stripe of hn / hb (hash_offset is a multiple of 64).
+template <int W, bool XOR, bool HN, bool HB>
+MILES_AVX512 int64_t scan_avx512(const uint8_t* base, const uint8_t* next, int64_t n,
+                                 int32_t* positions, uint8_t* values, int64_t cap, Xxh3Long* hn,
+                                 Xxh3Long* hb, int64_t hash_offset) {
+  constexpr int64_t E = kBlock / W;  // elements per block
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i acc_n = _mm512_setzero_si512(), acc_b = _mm512_setzero_si512();
+  int64_t stripe = hash_offset / 64, last = 0;
+  if (HN) acc_n = _mm512_loadu_si512(hn->acc);
+  if (HB) acc_b = _mm512_loadu_si512(hb->acc);
+  if (HN) last = xxh3::regular_stripes(hn->len);
+  if (HB) last = xxh3::regular_stripes(hb->len);
+  int64_t k = 0;
+  bool dense = false;
+  for (int64_t i = 0; i < n; i += E, ++stripe) {
+    __m512i a, b;
+    if (i + E <= n) {
+      a = _mm512_loadu_si512(base + i * W);
+      b = _mm512_loadu_si512(next + i * W);
+      if ((HN || HB) && stripe < last) {
+        if (HN) acc_n = stripe_avx512(acc_n, b, stripe);
+        if (HB) acc_b = stripe_avx512(acc_b, a, stripe);
+      }
+    } else {  // the tail: masked loads, the missing lanes read as equal zeros
+      const __mmask64 live = _bzhi_u64(~0ULL, static_cast<unsigned>((n - i) * W));
+      a = _mm512_maskz_loadu_epi8(live, base + i * W);
+      b = _mm512_maskz_loadu_epi8(live, next + i * W);
+    }
+    const uint64_t m = Lanes<W>::ne(a, b);
+    const int c = __builtin_popcountll(m);
+    if (dense || k + c > cap) {  // too many for a sparse chunk: count only
+      dense = true;
+      k += c;
+      continue;
+    }
+    const __m512i v = XOR ? _mm512_xor_si512(a, b) : b;
+    _mm512_storeu_si512(values + k * W, Lanes<W>::compress(m, v));
+    int64_t kk = k;
+    for (int64_t g = 0; g < E; g += 16) {  // positions, 16 lanes of int32 at a time
+      const __mmask16 sm = static_cast<__mmask16>(m >> g);
+      const __m512i idx = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(i + g)));
+      _mm512_storeu_si512(positions + kk, _mm512_maskz_compress_epi32(sm, idx));
+      kk += __builtin_popcount(static_cast<unsigned>(sm));
+    }
+    k += c;
+  }
+  if (HN) _mm512_storeu_si512(hn->acc, acc_n);
+  if (HB) _mm512_storeu_si512(hb->acc, acc_b);
+  return k;
+}
+
+struct MaskAvx2 {
+  MILES_AVX2 MILES_INLINE uint64_t operator()(const uint8_t* a, const uint8_t* b) const {
+  const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32));
+  const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32));
+  const uint32_t eq0 = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(a0, b0)));
+  const uint32_t eq1 = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(a1, b1)));
+  return ~(static_cast<uint64_t>(eq0) | (static_cast<uint64_t>(eq1) << 32));
+  }
+};
+
+MILES_SCAN_BITS(scan_bits_avx2, MILES_AVX2, MaskAvx2)
+#endif
+#undef MILES_SCAN_BITS
+
+enum class Isa { kGeneric, kAvx2, kAvx512 };
+
+Isa detect() {
+#ifdef MILES_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2") &&
+      __builtin_cpu_supports("bmi2"))
+    return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2")) return Isa::kAvx2;
+#endif
+  return Isa::kGeneric;
+}
+
+const Isa kBest = detect();
+Isa g_isa = kBest;  // set once at load; delta_use_isa may lower it (tests)
+
+// Every kernel, per width and value kind, compiled once per instruction set.
+#define MILES_KERNELS(NS, ATTR, SCAN)                                                           \
+  namespace NS {                                                                                \
+  template <int W, bool XOR>                                                                    \
+  struct Ops {                                                                                  \
+    ATTR static int64_t scan(const uint8_t* b, const uint8_t* x, int64_t n, int32_t* p,         \
+                             uint8_t* v, int64_t cap, Xxh3Long* h, Xxh3Long* hb, int64_t ho) {  \
+      return SCAN;                                                                              \
+    }                                                                                           \
+    ATTR static void pack(const int32_t* p, const uint8_t* v, int64_t k, uint8_t* out) {        \
+      pack_sparse<W>(p, v, k, out);                                                             \
+    }                                                                                           \
+    ATTR static void planes(const uint8_t* b, const uint8_t* x, int64_t n, uint8_t* out) {      \
+      miles_transfer::planes<W, XOR>(b, x, n, out);                                             \
+    }                                                                                           \
+    ATTR static void unplanes(uint8_t* t, int64_t n, const uint8_t* raw) {                      \
+      miles_transfer::unplanes<W, XOR>(t, n, raw);                                              \
+    }                                                                                           \
+    ATTR static void scatter(uint8_t* t, const int32_t* g, const uint8_t* v, int64_t k) {       \
+      miles_transfer::scatter<W, XOR>(t, g, v, k);                                              \
+    }                                                                                           \
+  };                                                                                            \
+  ATTR int64_t gaps(const uint8_t* raw, int64_t k, int32_t* out) {                              \
+    return unpack_gaps(raw, k, out);                                                            \
+  }                                                                                             \
+  }
+
+// The bit-loop scans hash in a second pass over next (scalar XXH3; AVX-512 fuses it).
+MILES_KERNELS(generic, ,
+              (hash_after(scan_bits_generic<W, XOR>(b, x, n, p, v, cap), h, x, hb, b, ho, n * W)))
+#ifdef MILES_X86
+MILES_KERNELS(avx2, MILES_AVX2,
+              (hash_after(scan_bits_avx2<W, XOR>(b, x, n, p, v, cap), h, x, hb, b, ho, n * W)))
+MILES_KERNELS(avx512, MILES_AVX512,
+              (h ? (hb ? scan_avx512<W, XOR, true, true>(b, x, n, p, v, cap, h, hb, ho)
+                       : scan_avx512<W, XOR, true, false>(b, x, n, p, v, cap, h, hb, ho))
+                 : (hb ? scan_avx512<W, XOR, false, true>(b, x, n, p, v, cap, h, hb, ho)
+                       : scan_avx512<W, XOR, false, false>(b, x, n, p, v, cap, h, hb, ho))))
+#endif
+#undef MILES_KERNELS
+
+// Calls F(Ops<W, XOR>) with the instruction set in use, for a run-time width and value kind.
+template <template <int, bool> class Ops, typename F>
+auto with_ops(int width, bool xor_values, F&& f) {
   switch (width * 2 + (xor_values ? 1 : 0)) {
-    case 2: return F<1, false>::run(args...);
-    case 3: return F<1, true>::run(args...);
-    case 4: return F<2, false>::run(args...);
-    case 5: return F<2, true>::run(args...);
-    case 8: return F<4, false>::run(args...);
-    case 9: return F<4, true>::run(args...);
-    case 16: return F<8, false>::run(args...);
-    default: return F<8, true>::run(args...);
+    case 2: return f(Ops<1, false>{});
+    case 3: return f(Ops<1, true>{});
+    case 4: return f(Ops<2, false>{});
+    case 5: return f(Ops<2, true>{});
+    case 8: return f(Ops<4, false>{});
+    case 9: return f(Ops<4, true>{});
+    case 16: return f(Ops<8, false>{});
+    default: return f(Ops<8, true>{});
   }
 }
 
-template <int W, bool XOR>
-struct ScanOp {
-  static int64_t run(const uint8_t* b, const uint8_t* x, int64_t n, int32_t* g, uint8_t* v,
-                     int64_t cap) {
-    return scan<W, XOR>(b, x, n, g, v, cap);
-  }
-};
-template <int W, bool XOR>
-struct PlanesOp {
-  static int run(const uint8_t* b, const uint8_t* x, int64_t n, uint8_t* out) {
-    planes<W, XOR>(b, x, n, out);
-    return 0;
-  }
-};
-template <int W, bool XOR>
-struct UnplanesOp {
-  static int run(uint8_t* t, int64_t n, const uint8_t* raw) {
-    unplanes<W, XOR>(t, n, raw);
-    return 0;
-  }
-};
-template <int W, bool XOR>
-struct ScatterOp {
-  static int run(uint8_t* t, const uint8_t* raw, int64_t k) {
-    scatter<W, XOR>(t, raw, k);
-    return 0;
-  }
-};
+template <typename F>
+auto dispatch(int width, bool xor_values, F&& f) {
+#ifdef MILES_X86
+  if (g_isa == Isa::kAvx512) return with_ops<avx512::Ops>(width, xor_values, f);
+  if (g_isa == Isa::kAvx2) return with_ops<avx2::Ops>(width, xor_values, f);
+#endif
+  return with_ops<generic::Ops>(width, xor_values, f);
+}
+
+int64_t unpack_gaps_isa(const uint8_t* raw, int64_t k, int32_t* out) {
+#ifdef MILES_X86
+  if (g_isa == Isa::kAvx512) return avx512::gaps(raw, k, out);
+  if (g_isa == Isa::kAvx2) return avx2::gaps(raw, k, out);
+#endif
+  return generic::gaps(raw, k, out);
+}
 
 }  // namespace
 
 int64_t delta_scan(const uint8_t* base, const uint8_t* next, int64_t n, int width, bool xor_values,
-                   int32_t* gaps, uint8_t* values, int64_t cap) {
-  return by_width<ScanOp>(width, xor_values, base, next, n, gaps, values, cap);
+                   int32_t* positions, uint8_t* values, int64_t cap, Xxh3Long* hash_next,
+                   Xxh3Long* hash_base, int64_t hash_offset) {
+  return dispatch(width, xor_values, [&](auto ops) {
+    return ops.scan(base, next, n, positions, values, cap, hash_next, hash_base, hash_offset);
+  });
 }
 
-void shuffle_bytes(const uint8_t* in, int64_t k, int width, uint8_t* out) {
-  by_width<PlanesOp>(width, false, static_cast<const uint8_t*>(nullptr), in, k, out);
+void xxh3_long_init(Xxh3Long* st, int64_t len) {
+  const uint64_t init[8] = {xxh3::kP32_3, xxh3::kP64_1, xxh3::kP64_2, xxh3::kP64_3,
+                            xxh3::kP64_4, xxh3::kP32_2, xxh3::kP64_5, xxh3::kP32_1};
+  std::memcpy(st->acc, init, sizeof(init));
+  st->len = len;
+}
+
+void xxh3_long_update(Xxh3Long* st, const uint8_t* data, int64_t offset, int64_t bytes) {
+#ifdef MILES_X86
+  if (g_isa == Isa::kAvx512) return hash_avx512(st, data, offset, bytes);
+#endif
+  hash_scalar(st, data, offset, bytes);
+}
+
+namespace {
+uint64_t avalanche(uint64_t h) {
+  h ^= h >> 37;
+  h *= xxh3::kMix;
+  return h ^ (h >> 32);
+}
+
+uint64_t merge(const uint64_t* acc, const uint8_t* key, uint64_t start) {
+  uint64_t r = start;
+  for (int i = 0; i < 4; ++i) {
+    const unsigned __int128 p =
+        static_cast<unsigned __int128>(acc[2 * i] ^ xxh3::read64(key + 16 * i)) *
+        (acc[2 * i + 1] ^ xxh3::read64(key + 16 * i + 8));
+    r += static_cast<uint64_t>(p) ^ static_cast<uint64_t>(p >> 64);
+  }
+  return avalanche(r);
+}
+}  // namespace
+
+void xxh3_long_digest(const Xxh3Long* st, const uint8_t* input_end, uint64_t* high,
+                      uint64_t* low) {
+  uint64_t acc[8];
+  std::memcpy(acc, st->acc, sizeof(acc));
+  // The last 64 bytes, against the secret at kLastAt, without a scramble.
+  const uint8_t* p = input_end - xxh3::kStripe;
+  for (int i = 0; i < 8; ++i) {
+    const uint64_t v = xxh3::read64(p + 8 * i);
+    const uint64_t k = v ^ xxh3::read64(xxh3::kSecret + xxh3::kLastAt + 8 * i);
+    acc[i ^ 1] += v;
+    acc[i] += (k & 0xFFFFFFFFULL) * (k >> 32);
+  }
+  const uint64_t len = static_cast<uint64_t>(st->len);
+  *low = merge(acc, xxh3::kSecret + xxh3::kMergeLowAt, len * xxh3::kP64_1);
+  *high = merge(acc, xxh3::kSecret + xxh3::kMergeHighAt, ~(len * xxh3::kP64_2));
+}
+
+void pack_sparse(const int32_t* positions, const uint8_t* values, int64_t k, int width,
+                 uint8_t* out) {
+  dispatch(width, false, [&](auto ops) {
+    ops.pack(positions, values, k, out);
+    return 0;
+  });
 }
 
 void dense_encode(const uint8_t* base, const uint8_t* next, int64_t n, int width, bool xor_values,
                   uint8_t* out) {
-  by_width<PlanesOp>(width, xor_values, base, next, n, out);
+  dispatch(width, xor_values, [&](auto ops) {
+    ops.planes(base, next, n, out);
+    return 0;
+  });
 }
 
 int sparse_apply(uint8_t* target, int64_t n, int width, const uint8_t* raw, int64_t k,
                  bool xor_values, int64_t* last_pos) {
-  // Check every gap before writing anything.
-  int64_t pos = 0;
-  for (int64_t i = 0; i < k; ++i) {
-    const int32_t g = static_cast<int32_t>(gather<4>(raw, k, i));
-    if (g < 0 || (i > 0 && g == 0)) return kSparseNotIncreasing;
-    pos += g;
-  }
-  *last_pos = k > 0 ? pos : -1;
-  if (k > 0 && pos >= n) return kSparseOutOfRange;
-  by_width<ScatterOp>(width, xor_values, target, raw, k);
+  // Every gap is checked before anything is written. Scratch per thread, kept: a fresh
+  // allocation would fault its pages in on every call.
+  thread_local std::vector<int32_t> gaps;
+  if (static_cast<int64_t>(gaps.size()) < k) gaps.resize(static_cast<size_t>(k));
+  const int64_t last = unpack_gaps_isa(raw, k, gaps.data());
+  if (last < 0) return kSparseNotIncreasing;
+  *last_pos = k > 0 ? last : -1;
+  if (k > 0 && last >= n) return kSparseOutOfRange;
+  dispatch(width, xor_values, [&](auto ops) {
+    ops.scatter(target, gaps.data(), raw + 4 * k, k);
+    return 0;
+  });
   return kSparseOk;
 }
 
 void dense_apply(uint8_t* target, int64_t n, int width, const uint8_t* raw, bool xor_values) {
-  by_width<UnplanesOp>(width, xor_values, target, n, raw);
+  dispatch(width, xor_values, [&](auto ops) {
+    ops.unplanes(target, n, raw);
+    return 0;
+  });
 }
 
 bool delta_use_isa(const char* name) {

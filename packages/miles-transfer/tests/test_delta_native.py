@@ -17,7 +17,13 @@ from delta_testutil import base_tensors, same_files, step, write_checkpoint
 
 import miles_transfer._delta_codec as codec
 from miles_transfer import encode_delta, materialize_delta
-from miles_transfer._delta_native import _ext, delta_isa, delta_native_available
+from miles_transfer._delta_native import (
+    StripeHash,
+    _ext,
+    delta_isa,
+    delta_native_available,
+    native_encode,
+)
 from miles_transfer._safetensors import SAFETENSORS_DTYPES
 
 pytest.importorskip("xxhash")
@@ -175,3 +181,42 @@ def test_delta_files_identical_and_cross_apply(tmp_path: Path, encoding: str) ->
             out = tmp_path / f"out-{made}-{applied}"
             materialize_delta(base, deltas[made], out, backend=applied)  # type: ignore[arg-type]
             assert same_files(out, new), (made, applied)
+
+
+@pytest.mark.parametrize("nbytes", [241, 256, 1023, 1024, 1025, 1088, 4096, 65536 + 64 * 3 + 17])
+def test_native_xxh3_matches_xxhash(isa, nbytes):
+    """Fed in one piece, in 64-byte pieces, or by the scan: xxhash's digest."""
+    import xxhash
+
+    g = torch.Generator().manual_seed(nbytes)
+    t = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+    want = xxhash.xxh3_128_hexdigest(t.numpy().tobytes())
+    h = StripeHash(t)
+    h.update(0, nbytes)
+    assert h.hexdigest() == want
+    h = StripeHash(t)
+    for off in range(0, nbytes, 64):
+        h.update(off, min(64, nbytes - off))
+    assert h.hexdigest() == want
+    for piece in (64, 128, 1024, 4096):
+        if piece > nbytes:
+            continue
+        base = t.clone()
+        base[::7] ^= 1
+        hn, hb = StripeHash(t), StripeHash(base)
+        for off in range(0, nbytes, piece):
+            native_encode(base[off : off + piece], t[off : off + piece], True, 0, (hn, hb, off))
+        assert hn.hexdigest() == want
+        assert hb.hexdigest() == xxhash.xxh3_128_hexdigest(base.numpy().tobytes())
+
+
+@pytest.mark.parametrize("chunk_elems", [32, 1024, 1 << 22])
+def test_fused_checksums_in_manifest(tmp_path: Path, chunk_elems: int) -> None:
+    """Chunks on 64-byte boundaries hash inside the scan: same manifest as the torch path."""
+    base_t = base_tensors()
+    new_t = step(base_t, 0.05, seed=3)
+    base = write_checkpoint(tmp_path / "base", base_t)
+    new = write_checkpoint(tmp_path / "new", new_t)
+    for backend in ("torch", "native"):
+        encode_delta(base, new, tmp_path / backend, chunk_elems=chunk_elems, backend=backend)  # type: ignore[arg-type]
+    assert same_files(tmp_path / "torch", tmp_path / "native")

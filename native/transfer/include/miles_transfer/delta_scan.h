@@ -17,15 +17,43 @@
 
 namespace miles_transfer {
 
-// Compares base[0..n) with next[0..n) and, for each element whose bits differ (in order), writes
-// its gap to gaps[k] and its value (next ^ base when xor_values, else next) to
-// values[k * width ..] while k < cap; past cap it only counts. Returns the number of changed
-// elements (which may exceed cap). `gaps` needs cap entries, `values` cap * width bytes.
-int64_t delta_scan(const uint8_t* base, const uint8_t* next, int64_t n, int width, bool xor_values,
-                   int32_t* gaps, uint8_t* values, int64_t cap);
+// XXH3-128 (seed 0, default secret; the digest of xxhash's XXH3_128bits) of an input longer
+// than 240 bytes, fed in pieces that start at multiples of 64 bytes.
+struct Xxh3Long {
+  uint64_t acc[8];
+  int64_t len;  // bytes of the whole input
+};
 
-// Byte planes: out[j * k + i] = in[i * width + j] for k elements (out and in must not overlap).
-void shuffle_bytes(const uint8_t* in, int64_t k, int width, uint8_t* out);
+// Starts a digest of an input of `len` bytes (len > 240).
+void xxh3_long_init(Xxh3Long* state, int64_t len);
+
+// Feeds input bytes [offset, offset + bytes) (offset a multiple of 64; data points at byte
+// `offset` of the input). Pieces must come in order, each starting where the last one ended.
+void xxh3_long_update(Xxh3Long* state, const uint8_t* data, int64_t offset, int64_t bytes);
+
+// The digest, once every byte was fed; `input_end` points one past the input's last byte (its
+// last 64 bytes are read again). Writes the high and low 64-bit halves.
+void xxh3_long_digest(const Xxh3Long* state, const uint8_t* input_end, uint64_t* high,
+                      uint64_t* low);
+
+// Compares base[0..n) with next[0..n) and, for each element whose bits differ (in order), writes
+// its position to positions[k] and its value (next ^ base when xor_values, else next) to
+// values[k * width ..], as long as all of them fit in `cap` entries; otherwise it only counts
+// (the chunk is dense). Returns the number of changed elements (which may exceed cap).
+// `positions` needs cap + 16 entries and `values` cap * width + 64 bytes: the vector code
+// stores whole registers past the last entry. With `hash_next` / `hash_base` (either may be
+// null), next's / base's bytes are fed to them as bytes [hash_offset, hash_offset + n * width)
+// of their inputs in the same pass (both inputs of the same length; hash_offset a multiple
+// of 64).
+int64_t delta_scan(const uint8_t* base, const uint8_t* next, int64_t n, int width, bool xor_values,
+                   int32_t* positions, uint8_t* values, int64_t cap,
+                   Xxh3Long* hash_next = nullptr, Xxh3Long* hash_base = nullptr,
+                   int64_t hash_offset = 0);
+
+// The sparse layout of k changed elements from delta_scan's positions and values: the gaps'
+// byte planes, then the values' byte planes ((4 + width) * k bytes at out).
+void pack_sparse(const int32_t* positions, const uint8_t* values, int64_t k, int width,
+                 uint8_t* out);
 
 // The dense layout in one pass: out = shuffle(xor_values ? next ^ base : next), n elements.
 void dense_encode(const uint8_t* base, const uint8_t* next, int64_t n, int width, bool xor_values,

@@ -40,7 +40,7 @@ from miles_transfer._delta_format import (
     dtype_name,
     fingerprint,
 )
-from miles_transfer._delta_native import DeltaBackend
+from miles_transfer._delta_native import DeltaBackend, StripeHash, resolve_backend
 from miles_transfer._delta_pipeline import default_workers, ordered_map
 
 __all__ = ["DEFAULT_CHUNK_ELEMS", "DeltaReport", "Progress", "encode_checkpoints", "encode_delta"]
@@ -182,18 +182,32 @@ def encode_checkpoints(
         job: tuple[str, TensorEntry, torch.Tensor, torch.Tensor | None],
     ) -> tuple[str, TensorEntry, str, str | None, list[ChunkPatch]]:
         fname, e, nt, bt = job
-        new_sum = new.checksums.get(e.name) or checksum(nt)
-        base_sum = None if bt is None else (base.checksums.get(e.name) or checksum(bt))
         nv = int_view(nt)
         bv = torch.zeros_like(nv) if bt is None else int_view(bt)
         enc: Encoding = encoding if bt is not None else "overwrite"
+        # The native scan hashes what it reads (new, and a base whose checksum is unknown).
+        fused = resolve_backend(backend, nt) and StripeHash.usable(
+            e.nbytes, chunk_elems * e.dtype.itemsize
+        )
+        hn = StripeHash(nt) if fused and e.name not in new.checksums else None
+        hb = StripeHash(bt) if fused and bt is not None and e.name not in base.checksums else None
         patches = []
         for i, s in enumerate(range(0, nv.numel(), chunk_elems)):
+            hashes = (hn, hb, s * e.dtype.itemsize) if fused else None
             patch = encode_chunk(
-                i, bv[s : s + chunk_elems], nv[s : s + chunk_elems], enc, backend=backend
+                i,
+                bv[s : s + chunk_elems],
+                nv[s : s + chunk_elems],
+                enc,
+                backend=backend,
+                hashes=hashes,
             )
             if patch is not None:
                 patches.append(patch)
+        new_sum = new.checksums.get(e.name) or (hn.hexdigest() if hn else checksum(nt))
+        base_sum = None
+        if bt is not None:
+            base_sum = base.checksums.get(e.name) or (hb.hexdigest() if hb else checksum(bt))
         return fname, e, new_sum, base_sum, patches
 
     try:

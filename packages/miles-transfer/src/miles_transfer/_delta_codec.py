@@ -31,6 +31,7 @@ import torch
 from miles_transfer._bytes import byte_view
 from miles_transfer._delta_native import (
     DeltaBackend,
+    StripeHash,
     native_apply_dense,
     native_apply_sparse,
     native_encode,
@@ -212,17 +213,26 @@ def encode_chunk(
     encoding: Encoding,
     *,
     backend: DeltaBackend = "auto",
+    hashes: tuple[StripeHash | None, StripeHash | None, int] | None = None,
 ) -> ChunkPatch | None:
     """Encode one chunk (two 1-D integer views of equal dtype and length); None if unchanged.
 
     ``backend``: ``"native"`` (one fused compare-and-compact pass, ``_delta_native``),
     ``"torch"`` (the reference) or ``"auto"`` (native on CPU when built). Same bytes either way.
+    ``hashes`` (native only): digests of the whole new / base tensors that the scan feeds with
+    this chunk's bytes, and the chunk's byte offset in them.
     """
     n = base.numel()
     sparse_max = int(n * SPARSE_MAX_FRACTION)  # k <= n / 8 exactly (k is an integer)
-    if resolve_backend(backend, base, new):
+    native = resolve_backend(backend, base, new)
+    assert native or hashes is None, "hashes need the native backend"
+    if native:
         k, layout, raw_view = native_encode(
-            base.contiguous(), new.contiguous(), encoding == "xor", sparse_max
+            base.contiguous(),
+            new.contiguous(),
+            encoding == "xor",
+            sparse_max,
+            hashes or (None, None, 0),
         )
         if k == 0:
             return None

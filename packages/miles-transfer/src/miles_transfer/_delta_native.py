@@ -4,7 +4,7 @@ The PyTorch path of ``_delta_codec`` finds changed elements with several kernels
 ``nonzero``, gathers, shuffles), each reading memory again. The C++ kernels in
 ``native/transfer/src/delta_scan.cpp`` (``miles_transfer._ext``; AVX-512BW or AVX2 chosen at
 run time, portable code elsewhere) read the base and the new chunk once and write the sparse
-patch's gaps and values straight into scratch memory, then lay them out as byte planes; the
+patch's positions and values straight into scratch memory, then lay them out as byte planes; the
 apply side checks the gaps and scatters the values in place. The bytes are exactly those of the
 PyTorch path (the file format does not change; tests compare them bit for bit).
 
@@ -24,6 +24,7 @@ from miles_transfer._bytes import byte_view
 
 __all__ = [
     "DeltaBackend",
+    "StripeHash",
     "delta_isa",
     "delta_native_available",
     "native_apply_dense",
@@ -74,6 +75,50 @@ def resolve_backend(backend: DeltaBackend, *tensors: torch.Tensor) -> bool:
     return True
 
 
+class StripeHash:
+    """The xxh3-128 hex digest of one contiguous CPU tensor, computed by the native kernels.
+
+    ``native_encode`` feeds it the tensor's chunks during its scan (no second read of the
+    bytes); ``update`` feeds other pieces. The digest equals ``xxhash.xxh3_128_hexdigest`` of
+    the tensor's bytes (tested). Only for tensors longer than 240 bytes, fed in order in pieces
+    that start at multiples of 64 bytes: ``usable`` says whether this one may be used.
+
+    Args:
+        t: the tensor whose bytes are hashed (kept alive by this object).
+    """
+
+    @staticmethod
+    def usable(nbytes: int, piece_bytes: int) -> bool:
+        """Whether a tensor of ``nbytes`` hashed in pieces of ``piece_bytes`` can use this."""
+        return _ext is not None and nbytes > 240 and piece_bytes % 64 == 0
+
+    def __init__(self, t: torch.Tensor) -> None:
+        assert _ext is not None
+        assert t.device.type == "cpu"
+        assert t.is_contiguous()
+        self.t = t
+        self.nbytes = t.numel() * t.element_size()
+        self.state = torch.zeros(int(_ext.XXH3_STATE_BYTES) // 8, dtype=torch.int64)
+        _ext.xxh3_long_init(self.state.data_ptr(), self.nbytes)
+
+    @property
+    def address(self) -> int:
+        """The native state's address (for ``native_encode``)."""
+        return int(self.state.data_ptr())
+
+    def update(self, offset: int, nbytes: int) -> None:
+        """Feed the tensor's bytes ``[offset, offset + nbytes)`` (offset a multiple of 64;
+        pieces in order)."""
+        assert _ext is not None
+        _ext.xxh3_long_update(self.address, self.t.data_ptr() + offset, offset, nbytes)
+
+    def hexdigest(self) -> str:
+        """32 hex characters, once every byte was fed."""
+        assert _ext is not None
+        high, low = _ext.xxh3_long_digest(self.address, self.t.data_ptr() + self.nbytes)
+        return f"{high:016x}{low:016x}"
+
+
 def _scratch(nbytes: int) -> torch.Tensor:
     """This thread's scratch buffer, at least ``nbytes`` long (grown, never shrunk)."""
     buf: torch.Tensor | None = getattr(_tls, "buf", None)
@@ -85,9 +130,16 @@ def _scratch(nbytes: int) -> torch.Tensor:
 
 
 def native_encode(
-    base: torch.Tensor, new: torch.Tensor, xor: bool, sparse_max: int
+    base: torch.Tensor,
+    new: torch.Tensor,
+    xor: bool,
+    sparse_max: int,
+    hashes: tuple[StripeHash | None, StripeHash | None, int] = (None, None, 0),
 ) -> tuple[int, Literal["sparse", "dense"], memoryview]:
     """Compare two contiguous 1-D integer views of equal dtype and length.
+
+    ``hashes``: ``(of new's tensor, of base's tensor, byte offset of this chunk in them)``;
+    the scan feeds the chunk's bytes to the given digests.
 
     Returns ``(changed, layout, raw)``: the number of changed elements, and the chunk's raw
     bytes (sparse while ``changed <= sparse_max``, else dense; empty when nothing changed).
@@ -101,17 +153,32 @@ def native_encode(
     assert base.numel() == n
     assert 0 <= sparse_max <= n
     cap = sparse_max
-    # [gaps: 4 cap][values: w cap][raw: (4 + w) cap], or the dense raw (w n) from offset 0.
-    buf = _scratch(max(2 * (4 + w) * cap, w * n))
+    # [positions: 4 (cap + 16)][values: w cap + 64][raw: (4 + w) cap], or the dense raw (w n)
+    # from offset 0 (the scan's slack: whole-register stores past the last entry).
+    vals = 4 * (cap + 16)
+    out = vals + w * cap + 64
+    buf = _scratch(max(out + (4 + w) * cap, w * n))
     addr = buf.data_ptr()
-    vals = addr + 4 * cap
-    out = 4 * cap + w * cap
-    k = int(_ext.delta_scan(base.data_ptr(), new.data_ptr(), n, w, xor, addr, vals, cap))
+    hn, hb, offset = hashes
+    k = int(
+        _ext.delta_scan(
+            base.data_ptr(),
+            new.data_ptr(),
+            n,
+            w,
+            xor,
+            addr,
+            addr + vals,
+            cap,
+            0 if hn is None else hn.address,
+            0 if hb is None else hb.address,
+            offset,
+        )
+    )
     if k == 0:
         return 0, "sparse", memoryview(b"")
     if k <= cap:
-        _ext.shuffle_bytes(addr, k, 4, addr + out)
-        _ext.shuffle_bytes(vals, k, w, addr + out + 4 * k)
+        _ext.pack_sparse(addr, addr + vals, k, w, addr + out)
         return k, "sparse", _view(buf, out, (4 + w) * k)
     _ext.dense_encode(base.data_ptr(), new.data_ptr(), n, w, xor, addr)
     return k, "dense", _view(buf, 0, w * n)
