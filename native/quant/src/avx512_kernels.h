@@ -204,44 +204,107 @@ static void fp8_flat_v(const Fp8Args& a, int64_t begin, int64_t n, uint32_t amax
   fp8_run_v<D, F>(x, n, fp8_scale<F>(bits_f32(amax)), a.out + begin);
 }
 
-// Tile rows [t0, t1): 16 tiles along the row at a time, their amaxes reduced together and
-// their scales computed lane-wise (fp8_scale in contract.h), then each tile cast.
+// Software prefetch of lines [b0, b1) of p into L1. On the project's VMs the hardware
+// prefetchers leave a single-threaded streaming kernel waiting on memory about half of the
+// time: a cast of 112 MiB of bf16 ran at 0.52 ns per element without and 0.24 with prefetches.
+static inline void prefetch_lines(const void* p, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
+}
+
+// FP8 tiles (tile_rows x tile_cols; 1x128, 128x128, per channel) of tile rows [t0, t1).
+//
+// The work is a sequence of chunks of up to kW tiles of one tile row. A chunk's tiles need
+// their amax over all their rows before any element is cast, so every input is read twice:
+// the amax pass of chunk q + 1 runs interleaved, row by row, with the cast pass of chunk q
+// (whose input the amax pass brought into cache a chunk earlier: 128 rows of 1 KiB for bf16
+// 128x128 tiles), and the amax stream prefetches kAhead rows ahead of itself. Memory traffic
+// then overlaps the cast's arithmetic instead of stalling it. Scales are computed lane-wise
+// (fp8_scale in contract.h) for a chunk's tiles at once, from one transposing reduction.
 template <DType D, class F>
 static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
-  const auto* x = static_cast<const typename In<D>::T*>(a.x);
+  constexpr int64_t kW = 4, kAhead = 4;
+  using T = typename In<D>::T;
+  constexpr int64_t kSize = static_cast<int64_t>(sizeof(T));
+  const auto* x = static_cast<const T*>(a.x);
   const int64_t R = a.rows, C = a.cols, tr = a.tile_rows, tc = a.tile_cols;
   const int64_t nr = (R + tr - 1) / tr, nc = (C + tc - 1) / tc;
-  __m512i m[16];
-  alignas(64) float s[16];
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t b = t / nr, i = t % nr;
-    const int64_t r0 = b * R + i * tr, r1 = b * R + lo(R, (i + 1) * tr);
-    for (int64_t j0 = 0; j0 < nc; j0 += 16) {
-      const int64_t nb = lo(16, nc - j0);
-      for (int64_t k = 0; k < 16; ++k) m[k] = _mm512_setzero_si512();
-      for (int64_t k = 0; k < nb; ++k) {
-        const int64_t c0 = (j0 + k) * tc, n = lo(C, c0 + tc) - c0;
-        __m512i acc = _mm512_setzero_si512();
-        for (int64_t r = r0; r < r1; ++r) acc = simd::acc_abs<D>(x + r * C + c0, n, acc);
-        m[k] = simd::amax_lanes<D>(acc);
-      }
-      const __m512i amax = simd::reduce16(m);
-      const simd::Mask poisoned = _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits));
-      __m512 sv = _mm512_max_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(kAmaxMin));
-      sv = _mm512_div_ps(sv, _mm512_set1_ps(F::kMax));
-      sv = _mm512_mask_mov_ps(sv, poisoned, _mm512_castsi512_ps(simd::u32(kF32QuietNan)));
-      _mm512_mask_storeu_ps(a.scales + t * nc + j0, simd::tail_mask(nb), sv);
-      _mm512_store_ps(s, sv);
-      for (int64_t k = 0; k < nb; ++k) {
-        const int64_t c0 = (j0 + k) * tc, n = lo(C, c0 + tc) - c0;
-        for (int64_t r = r0; r < r1; ++r) {
-          if ((poisoned >> k) & 1)
-            std::memset(a.out + r * C + c0, F::kNanCode, static_cast<size_t>(n));
-          else
-            fp8_run_v<D, F>(x + r * C + c0, n, s[k], a.out + r * C + c0);
-        }
-      }
+  const int64_t cpr = (nc + kW - 1) / kW, nq = (t1 - t0) * cpr;
+  struct Chunk {
+    int64_t t, j0, nb, r0, rows, cb, ce;  // tile row, first tile, tiles; rows; columns [cb, ce)
+  };
+  const auto chunk = [&](int64_t q) {
+    Chunk c;
+    c.t = t0 + q / cpr;
+    c.j0 = (q % cpr) * kW;
+    c.nb = lo(kW, nc - c.j0);
+    const int64_t b = c.t / nr, i = c.t % nr;
+    c.r0 = b * R + i * tr;
+    c.rows = lo(R, (i + 1) * tr) - i * tr;
+    c.cb = c.j0 * tc;
+    c.ce = lo(C, c.cb + c.nb * tc);
+    return c;
+  };
+  // The prefetch cursor: row pi of chunk pq, kAhead rows ahead of the amax stream.
+  int64_t pq = 0, pi = 0;
+  Chunk pc = chunk(0);
+  const auto prefetch_next_row = [&] {
+    if (pq >= nq) return;
+    prefetch_lines(x + (pc.r0 + pi) * C + pc.cb, 0, (pc.ce - pc.cb) * kSize);
+    if (++pi == pc.rows && ++pq < nq) {
+      pi = 0;
+      pc = chunk(pq);
     }
+  };
+  __m512i acc[kW];
+  const auto amax_row = [&](const Chunk& c, int64_t i) {
+    prefetch_next_row();
+    const T* row = x + (c.r0 + i) * C;
+    for (int64_t k = 0; k < c.nb; ++k) {
+      const int64_t c0 = c.cb + k * tc;
+      acc[k] = simd::acc_abs<D>(row + c0, lo(C, c0 + tc) - c0, acc[k]);
+    }
+  };
+  alignas(64) float s[16];
+  simd::Mask poisoned = 0;
+  // The scales of chunk c from acc (all its rows seen): stored, and kept in s / poisoned.
+  const auto finish = [&](const Chunk& c) {
+    __m512i m[16];
+    for (int64_t k = 0; k < 16; ++k) m[k] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < c.nb && k < kW; ++k) m[k] = simd::amax_lanes<D>(acc[k]);
+    const __m512i amax = simd::reduce16(m);
+    poisoned = _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits));
+    __m512 sv = _mm512_max_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(kAmaxMin));
+    sv = _mm512_div_ps(sv, _mm512_set1_ps(F::kMax));
+    sv = _mm512_mask_mov_ps(sv, poisoned, _mm512_castsi512_ps(simd::u32(kF32QuietNan)));
+    _mm512_mask_storeu_ps(a.scales + c.t * nc + c.j0, simd::tail_mask(c.nb), sv);
+    _mm512_store_ps(s, sv);
+  };
+  const auto cast_row = [&](const Chunk& c, int64_t i) {
+    const int64_t r = c.r0 + i;
+    for (int64_t k = 0; k < c.nb; ++k) {
+      const int64_t c0 = c.cb + k * tc, n = lo(C, c0 + tc) - c0;
+      if ((poisoned >> k) & 1)
+        std::memset(a.out + r * C + c0, F::kNanCode, static_cast<size_t>(n));
+      else
+        fp8_run_v<D, F>(x + r * C + c0, n, s[k], a.out + r * C + c0);
+    }
+  };
+  if (nq == 0) return;
+  for (int64_t i = 0; i < kAhead; ++i) prefetch_next_row();
+  Chunk cur = chunk(0);
+  for (int64_t k = 0; k < kW; ++k) acc[k] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < cur.rows; ++i) amax_row(cur, i);
+  for (int64_t q = 0; q < nq; ++q) {
+    finish(cur);
+    for (int64_t k = 0; k < kW; ++k) acc[k] = _mm512_setzero_si512();
+    const bool more = q + 1 < nq;
+    const Chunk next = more ? chunk(q + 1) : cur;
+    const int64_t rows = more ? (next.rows > cur.rows ? next.rows : cur.rows) : cur.rows;
+    for (int64_t i = 0; i < rows; ++i) {
+      if (more && i < next.rows) amax_row(next, i);
+      if (i < cur.rows) cast_row(cur, i);
+    }
+    cur = next;
   }
 }
 
