@@ -317,3 +317,31 @@ def test_config_and_checkpoint_errors(tmp_path: Path, model_dir: Path) -> None:
         EngineConfig(model_path=str(tmp_path)).build()
     with pytest.raises(ValueError, match="exceeds"):
         EngineConfig(model_path=str(model_dir), context_length=4096).build()
+
+
+def test_prepacked_bf16_decode_gemms_give_the_same_bits(model_dir: Path) -> None:
+    """bf16 decode uses oneDNN pre-packed weights; logits must equal plain F.linear's."""
+    from transformers import AutoModelForCausalLM
+
+    from miles_rollout._model import CausalLMRunner
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    runs = []
+    for pack in (True, False):
+        runner = CausalLMRunner(hf, max_batch=8, context_length=64)
+        if not pack:
+            runner._pack.enabled = False
+            runner.refresh_weights()
+        if pack and torch.backends.mkldnn.is_available():
+            assert runner._layers[0].wqkv_p is not None, "packing fell back to F.linear"
+        with torch.inference_mode():
+            first = runner.prefill(0, [_prompt(5), _prompt(9, 1), _prompt(2, 2)])
+            tokens = first.argmax(-1)
+            positions = torch.tensor([5, 9, 2])
+            steps = [first]
+            for _ in range(6):
+                logits = runner.decode(tokens, positions, int(positions.max()) + 1)
+                steps.append(logits)
+                tokens, positions = logits.argmax(-1), positions + 1
+        runs.append(torch.stack(steps))
+    assert torch.equal(runs[0], runs[1])

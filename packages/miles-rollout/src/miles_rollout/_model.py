@@ -58,21 +58,25 @@ class _Layer:
         "bqkv",
         "down",
         "down_b",
+        "down_p",
         "gate_up",
         "gate_up_b",
+        "gate_up_p",
         "in_eps",
         "in_w",
         "k_norm",
         "o",
+        "o_p",
         "post_eps",
         "post_w",
         "q_norm",
         "qk_eps",
         "qk_norm",
         "wqkv",
+        "wqkv_p",
     )
 
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: Any, pack: _Packer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.in_w: torch.Tensor = layer.input_layernorm.weight
         self.in_eps: float = layer.input_layernorm.variance_epsilon
@@ -110,6 +114,11 @@ class _Layer:
         )
         self.down: torch.Tensor = mlp.down_proj.weight
         self.down_b: torch.Tensor | None = mlp.down_proj.bias
+        # Pre-packed copies for decode (None: use the plain weight).
+        self.wqkv_p = pack(self.wqkv)
+        self.o_p = pack(self.o)
+        self.gate_up_p = pack(self.gate_up)
+        self.down_p = pack(self.down)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -157,6 +166,52 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+# Decode batches are small (one row per running request): oneDNN's GEMM for a plain weight
+# re-lays the weight out on every call, which costs as much as the product at these sizes.
+# Pre-packed once per weight version, bf16 decode GEMMs run 1.4-1.9x faster with the same bits
+# (checked per weight shape below, falling back to ``F.linear`` if they ever differ).
+_PACK_ROWS_HINT = 64
+
+
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class _Packer:
+    """Packs bf16 weights for `_packed_linear`, once it has proven bit-identical per shape."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.enabled = dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+        self._exact: dict[tuple[int, int], bool] = {}
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor | None:
+        if not self.enabled:
+            return None
+        shape = (int(w.shape[0]), int(w.shape[1]))
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
+            if shape not in self._exact:
+                gen = torch.Generator().manual_seed(0)
+                bias = torch.randn(shape[0], generator=gen).to(w.dtype)
+                self._exact[shape] = all(
+                    torch.equal(F.linear(p, w, bias), _packed_linear(p, packed, bias))
+                    for rows in (1, 7, _PACK_ROWS_HINT)
+                    for p in [torch.randn(rows, shape[1], generator=gen).to(w.dtype)]
+                )
+        except (RuntimeError, AttributeError):  # no oneDNN op in this torch build
+            self.enabled = False
+            return None
+        return packed if self._exact[shape] else None
+
+
+def _dlinear(
+    x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None, b: torch.Tensor | None
+) -> torch.Tensor:
+    return F.linear(x, w, b) if packed is None else _packed_linear(x, packed, b)
+
+
 class CausalLMRunner:
     """Prefill and decode for a batch of requests, each owning one row of the KV cache.
 
@@ -190,6 +245,7 @@ class CausalLMRunner:
             cos, sin = model.model.rotary_emb(dummy, positions)
             self._cos = cos[0].to(self.dtype)
             self._sin = sin[0].to(self.dtype)
+        self._pack = _Packer(self.dtype)
         self._layers: list[_Layer] = []
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
@@ -207,7 +263,8 @@ class CausalLMRunner:
             self._norm_w: torch.Tensor = inner.norm.weight
             self._norm_eps: float = inner.norm.variance_epsilon
             self._lm_head: torch.Tensor = self.model.get_output_embeddings().weight
-            self._layers = [_Layer(layer) for layer in inner.layers]
+            self._lm_head_p = self._pack(self._lm_head)
+            self._layers = [_Layer(layer, self._pack) for layer in inner.layers]
 
     # ---- cache -----------------------------------------------------------------------------
 
@@ -320,7 +377,7 @@ class CausalLMRunner:
         flat = (slot * self._token_cap + positions[:, None]).reshape(-1)
         for li, layer in enumerate(self._layers):
             h = _rms(x, layer.in_w, layer.in_eps)
-            qkv = F.linear(h, layer.wqkv, layer.bqkv)
+            qkv = _dlinear(h, layer.wqkv, layer.wqkv_p, layer.bqkv)
             qk = qkv[:, :qk_size].view(n, nh + nkv, hd)
             if layer.qk_norm is not None:
                 qk = _rms(qk, layer.qk_norm, layer.qk_eps)
@@ -336,15 +393,16 @@ class CausalLMRunner:
                 o = _eager_attention(q, k, v, self.scale, hidden_BKQT)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-            x = x + F.linear(o.reshape(n, self._q_size), layer.o, layer.bo)
-            x = x + self._mlp(x, layer)
-        return self._logits(x)
+            x = x + _dlinear(o.reshape(n, self._q_size), layer.o, layer.o_p, layer.bo)
+            x = x + self._mlp(x, layer, packed=True)
+        return self._logits(x, packed=True)
 
-    def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, layer: _Layer, *, packed: bool = False) -> torch.Tensor:
         h = _rms(x, layer.post_w, layer.post_eps)
-        gate, up = F.linear(h, layer.gate_up, layer.gate_up_b).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down, layer.down_b)
+        gate_up_p, down_p = (layer.gate_up_p, layer.down_p) if packed else (None, None)
+        gate, up = _dlinear(h, layer.gate_up, gate_up_p, layer.gate_up_b).chunk(2, dim=-1)
+        return _dlinear(F.silu(gate) * up, layer.down, down_p, layer.down_b)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, *, packed: bool = False) -> torch.Tensor:
         x = _rms(x, self._norm_w, self._norm_eps)
-        return F.linear(x, self._lm_head).float()
+        return _dlinear(x, self._lm_head, self._lm_head_p if packed else None, None).float()
