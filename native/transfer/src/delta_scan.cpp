@@ -32,6 +32,10 @@ namespace miles_transfer {
 namespace {
 
 constexpr int64_t kBlock = 64;  // bytes compared per step
+// Prefetch distance of the scans: one core's hardware prefetchers alone kept the two input
+// streams at about 10 GB/s here; 2 KiB ahead reached 12-14 GB/s (512 B and 8 KiB: less).
+// Prefetches never fault, so reading past the end is harmless.
+constexpr int64_t kPrefetch = 2048;
 
 template <int W>
 MILES_INLINE uint64_t load_elem(const uint8_t* p) {
@@ -130,6 +134,8 @@ inline int64_t hash_after(int64_t k, Xxh3Long* hn, const uint8_t* next, Xxh3Long
     const int64_t bytes = n * W;                                                                \
     const int64_t full = bytes - bytes % kBlock;                                                \
     for (int64_t off = 0; off < full; off += kBlock) {                                          \
+      __builtin_prefetch(base + off + kPrefetch);                                               \
+      __builtin_prefetch(next + off + kPrefetch);                                               \
       const uint64_t m = MASK{}(base + off, next + off);                                        \
       if (m) e.emit(fold<W>(m), off);                                                           \
     }                                                                                           \
@@ -307,6 +313,8 @@ MILES_AVX512 int64_t scan_avx512(const uint8_t* base, const uint8_t* next, int64
   for (int64_t i = 0; i < n; i += E, ++stripe) {
     __m512i a, b;
     if (i + E <= n) {
+      __builtin_prefetch(base + i * W + kPrefetch);
+      __builtin_prefetch(next + i * W + kPrefetch);
       a = _mm512_loadu_si512(base + i * W);
       b = _mm512_loadu_si512(next + i * W);
       if ((HN || HB) && stripe < last) {
