@@ -90,6 +90,36 @@ def test_short_file_and_misaligned_buffers_raise(tmp_path: Path) -> None:
         mo.Pager(queue_depth=0)
 
 
+def _anon_huge_bytes(address: int) -> int:
+    """AnonHugePages of the mapping of this process that contains ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_large_buffers_sit_on_huge_pages_and_outlive_their_views() -> None:
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("transparent huge pages are unavailable here")
+    buf = mo.aligned_empty(8 * mo.HUGE_PAGE)
+    assert buf.data_ptr() % mo.HUGE_PAGE == 0
+    assert int(buf.count_nonzero()) == 0  # pre-faulted with zeros
+    # Physically contiguous 2 MiB pieces (the kernel may fall back for a few under pressure).
+    assert _anon_huge_bytes(buf.data_ptr()) >= 4 * mo.HUGE_PAGE
+    view = buf[4096:8192]
+    del buf  # the mapping lives as long as a view of it
+    view.fill_(7)
+    assert int(view.sum()) == 7 * 4096
+    small = mo.aligned_empty(8192)  # small buffers stay on ordinary pages
+    assert small.data_ptr() % mo.ALIGN == 0
+
+
 def test_preallocate_allocates_keeps_data_and_fails_before_writing(tmp_path: Path) -> None:
     from miles_offload._pager import preallocate
 
