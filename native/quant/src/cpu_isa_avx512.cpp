@@ -52,7 +52,7 @@ struct Int4Rows {
 template <DType D>
 struct Amax {
   static void run(const void* x, int64_t begin, int64_t n, uint32_t* out) {
-    *out = simd::amax<D>(static_cast<const typename In<D>::T*>(x) + begin, n);
+    *out = simd::amax_stream<D>(static_cast<const typename In<D>::T*>(x) + begin, n);
   }
 };
 
