@@ -452,7 +452,11 @@ static void mx_rows_v(const MxArgs& a, int64_t r0, int64_t r1) {
 static inline __m512i nvfp4_codes(__m512i amax, __m512 sg, __m512 inv, __m512* factor) {
   __m512 bs = _mm512_div_ps(_mm512_div_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(E2M1::kMax)), sg);
   bs = _mm512_min_ps(_mm512_max_ps(bs, _mm512_set1_ps(kNvfp4BlockScaleMin)), _mm512_set1_ps(E4M3::kMax));
-  const __m512i code = simd::encode<E4M3, false>(bs);
+  // encode<E4M3> of a normal, positive value no larger than 448: the integer RNE alone (no
+  // subnormal, sign or saturation step), with the exponent rebias folded in before the shift.
+  const __m512i u = _mm512_castps_si512(bs);
+  __m512i code = _mm512_add_epi32(u, simd::u32(((1u << 19) - 1u) - (120u << 23)));
+  code = _mm512_srli_epi32(_mm512_add_epi32(code, _mm512_and_si512(_mm512_srli_epi32(u, 20), simd::u32(1))), 20);
   const __m512 dec = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(code, 20), simd::u32(120u << 23)));
   *factor = _mm512_div_ps(inv, dec);
   return code;
@@ -511,22 +515,21 @@ static inline __m512i block16_amax_halves(const __m512i* h) {
   return _mm512_permutexvar_epi32(order, z);
 }
 
-// 1x16, 16 whole blocks (256 contiguous inputs), no masks.
+// 1x16, 16 whole blocks (256 contiguous inputs), no masks, in two halves so that the caller
+// can compute the next batch's scales (a long dependency chain: amax, three divisions, E4M3)
+// before this batch's elements, which then hide that latency.
+// First half: the block amaxes and scales (stored); returns the 16 element factors.
 template <DType D>
-static inline void nvfp4_batch256(const typename In<D>::T* x, __m512 sg, __m512 inv, uint8_t* scales, uint8_t* out) {
+static inline __m512 nvfp4_scales256(const typename In<D>::T* x, __m512 sg, __m512 inv, uint8_t* scales) {
   prefetch_lines(reinterpret_cast<const char*>(x) + simd::kPrefetchAhead, 0, 256 * static_cast<int64_t>(sizeof(*x)));
   __m512i amax;
-  __m512i raw[8];
   if constexpr (D == DType::f32) {
     __m512i m[16];
     for (int k = 0; k < 16; ++k) m[k] = simd::abs_bits(_mm512_loadu_ps(x + 16 * k));
     amax = simd::reduce16(m);
   } else {
     __m512i h[8];
-    for (int j = 0; j < 8; ++j) {
-      raw[j] = _mm512_loadu_si512(x + 32 * j);
-      h[j] = _mm512_and_si512(raw[j], _mm512_set1_epi16(0x7FFF));
-    }
+    for (int j = 0; j < 8; ++j) h[j] = _mm512_and_si512(_mm512_loadu_si512(x + 32 * j), _mm512_set1_epi16(0x7FFF));
     const __m512i h16 = block16_amax_halves(h);
     if constexpr (D == DType::bf16)
       amax = _mm512_slli_epi32(h16, 16);
@@ -536,6 +539,12 @@ static inline void nvfp4_batch256(const typename In<D>::T* x, __m512 sg, __m512 
   __m512 factor;
   const __m512i code = nvfp4_codes(amax, sg, inv, &factor);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(code));
+  return factor;
+}
+
+// Second half: the 256 elements, packed.
+template <DType D>
+static inline void nvfp4_elements256(const typename In<D>::T* x, __m512 factor, uint8_t* out) {
   if constexpr (D == DType::bf16) {
     // 32 inputs at a time, split into their even (low halves, shifted up) and odd (high halves)
     // elements: both are exact fp32 widenings, and byte i of the packed output is the pair
@@ -543,7 +552,7 @@ static inline void nvfp4_batch256(const typename In<D>::T* x, __m512 sg, __m512 
     const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     for (int j = 0; j < 8; ++j) {
       const __m512 f = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * j)), factor);
-      const __m512i v = raw[j];
+      const __m512i v = _mm512_loadu_si512(x + 32 * j);
       const __m512i even = e2m1_magnitude(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), f));
       const __m512i odd = e2m1_magnitude(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, simd::u32(0xFFFF0000u))), f));
       // The signs (x * factor keeps x's sign, zeros included): bits 15 and 31 to bits 3 and 7.
@@ -580,9 +589,20 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
     const __m512 sg = _mm512_set1_ps(a.global_scale[b]);
     const __m512 inv = _mm512_set1_ps(1.0f / a.global_scale[b]);
     int64_t j0 = 0;
-    if (tr == 1)
-      for (; (j0 + 16) * 16 <= C; j0 += 16)
-        nvfp4_batch256<D>(x + r0 * C + j0 * 16, sg, inv, a.scales + r0 * nc + j0, a.out + r0 * out_stride + j0 * 8);
+    if (tr == 1 && C >= 256) {  // whole batches of 16 blocks, software-pipelined
+      const auto* xr = x + r0 * C;
+      uint8_t* sr = a.scales + r0 * nc;
+      uint8_t* orow = a.out + r0 * out_stride;
+      const int64_t batches = C / 256;
+      __m512 f = nvfp4_scales256<D>(xr, sg, inv, sr);
+      for (int64_t q = 0; q + 1 < batches; ++q) {
+        const __m512 next = nvfp4_scales256<D>(xr + (q + 1) * 256, sg, inv, sr + (q + 1) * 16);
+        nvfp4_elements256<D>(xr + q * 256, f, orow + q * 128);
+        f = next;
+      }
+      nvfp4_elements256<D>(xr + (batches - 1) * 256, f, orow + (batches - 1) * 128);
+      j0 = batches * 16;
+    }
     for (; j0 < nc; j0 += 16) {
       const int64_t nb = lo(16, nc - j0);
       for (int64_t k = 0; k < 16; ++k) m[k] = _mm512_setzero_si512();
