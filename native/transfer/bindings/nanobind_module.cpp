@@ -175,6 +175,33 @@ NB_MODULE(_ext, m) {
       },
       nb::arg("target"), nb::arg("n"), nb::arg("width"), nb::arg("raw"), nb::arg("xor_values"),
       "Patch from a dense chunk.");
+  m.def(
+      "apply_fused",
+      [](uintptr_t target, uintptr_t source, int64_t n, int width, int layout, nb::bytes raw,
+         int64_t k, bool xor_values, uintptr_t hash, int64_t hash_offset) {
+        check_width_len(width, n, "apply_fused");
+        const int64_t size = static_cast<int64_t>(raw.size());
+        const bool ok = (layout == kLayoutNone && size == 0) ||
+                        (layout == kLayoutSparse && k >= 0 && size == k * (4 + width)) ||
+                        (layout == kLayoutDense && size == n * width);
+        if (!ok) throw std::invalid_argument("miles_transfer._ext.apply_fused: bad layout/size");
+        if (hash != 0 && hash_offset % 64 != 0)
+          throw std::invalid_argument("miles_transfer._ext.apply_fused: hash_offset % 64 != 0");
+        int64_t last = -1;
+        int status;
+        {
+          nb::gil_scoped_release release;
+          status = apply_fused(ptr<uint8_t>(target), ptr<const uint8_t>(source), n, width, layout,
+                               reinterpret_cast<const uint8_t*>(raw.c_str()), k, xor_values,
+                               ptr<Xxh3Long>(hash), hash_offset, &last);
+        }
+        return nb::make_tuple(status, last);
+      },
+      nb::arg("target"), nb::arg("source"), nb::arg("n"), nb::arg("width"), nb::arg("layout"),
+      nb::arg("raw"), nb::arg("k"), nb::arg("xor_values"), nb::arg("hash"),
+      nb::arg("hash_offset"),
+      "Copy + patch + hash one chunk of a result; returns (status, last position) as "
+      "sparse_apply. layout 0 none, 1 sparse, 2 dense.");
   m.def("delta_isa", []() { return std::string(delta_isa()); },
         "The delta kernels' instruction set: avx512, avx2 or generic.");
   m.def("delta_use_isa", [](const std::string& name) { return delta_use_isa(name.c_str()); },

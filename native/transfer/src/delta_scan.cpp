@@ -232,6 +232,32 @@ MILES_INLINE void scatter(uint8_t* target, const int32_t* gaps, const uint8_t* v
   }
 }
 
+// The patches of a sparse chunk whose positions are below `end` (elements), resuming at entry
+// *j whose position is *pos; both advanced.
+template <int W, bool XOR>
+MILES_INLINE void scatter_range(uint8_t* target, const int32_t* gaps, const uint8_t* vals,
+                                int64_t k, int64_t* j, int64_t* pos, int64_t end) {
+  int64_t i = *j, p = *pos;
+  while (i < k && p < end) {
+    uint64_t v = gather<W>(vals, k, i);
+    if (XOR) v ^= load_elem<W>(target + p * W);
+    store_elem<W>(target + p * W, v);
+    if (++i < k) p += gaps[i];
+  }
+  *j = i;
+  *pos = p;
+}
+
+template <int W, bool XOR>
+MILES_INLINE void unplanes_range(uint8_t* target, int64_t n, const uint8_t* raw, int64_t i0,
+                                 int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    uint64_t v = gather<W>(raw, n, i);
+    if (XOR) v ^= load_elem<W>(target + i * W);
+    store_elem<W>(target + i * W, v);
+  }
+}
+
 #ifdef MILES_X86
 // ---- delta_scan with AVX-512 compress ----
 
@@ -403,6 +429,14 @@ Isa g_isa = kBest;  // set once at load; delta_use_isa may lower it (tests)
     ATTR static void scatter(uint8_t* t, const int32_t* g, const uint8_t* v, int64_t k) {       \
       miles_transfer::scatter<W, XOR>(t, g, v, k);                                              \
     }                                                                                           \
+    ATTR static void scatter_range(uint8_t* t, const int32_t* g, const uint8_t* v, int64_t k,   \
+                                   int64_t* j, int64_t* pos, int64_t end) {                     \
+      miles_transfer::scatter_range<W, XOR>(t, g, v, k, j, pos, end);                           \
+    }                                                                                           \
+    ATTR static void unplanes_range(uint8_t* t, int64_t n, const uint8_t* raw, int64_t i0,      \
+                                    int64_t i1) {                                               \
+      miles_transfer::unplanes_range<W, XOR>(t, n, raw, i0, i1);                                \
+    }                                                                                           \
   };                                                                                            \
   ATTR int64_t gaps(const uint8_t* raw, int64_t k, int32_t* out) {                              \
     return unpack_gaps(raw, k, out);                                                            \
@@ -545,6 +579,41 @@ int sparse_apply(uint8_t* target, int64_t n, int width, const uint8_t* raw, int6
     ops.scatter(target, gaps.data(), raw + 4 * k, k);
     return 0;
   });
+  return kSparseOk;
+}
+
+int apply_fused(uint8_t* target, const uint8_t* source, int64_t n, int width, int layout,
+                const uint8_t* raw, int64_t k, bool xor_values, Xxh3Long* hash,
+                int64_t hash_offset, int64_t* last_pos) {
+  thread_local std::vector<int32_t> gaps;
+  *last_pos = -1;
+  if (layout == kLayoutSparse) {  // every gap checked before anything is written
+    if (static_cast<int64_t>(gaps.size()) < k) gaps.resize(static_cast<size_t>(k));
+    const int64_t last = unpack_gaps_isa(raw, k, gaps.data());
+    if (last < 0) return kSparseNotIncreasing;
+    *last_pos = k > 0 ? last : -1;
+    if (k > 0 && last >= n) return kSparseOutOfRange;
+  }
+  // Sub-blocks small enough to stay in L1/L2 between the copy, the patch and the hash.
+  constexpr int64_t kSub = 64 * 1024;
+  const int64_t bytes = n * width;
+  int64_t j = 0, pos = (layout == kLayoutSparse && k > 0) ? gaps[0] : 0;
+  for (int64_t lo = 0; lo < bytes; lo += kSub) {
+    const int64_t hi = lo + kSub < bytes ? lo + kSub : bytes;
+    if (source != target) std::memcpy(target + lo, source + lo, static_cast<size_t>(hi - lo));
+    if (layout == kLayoutSparse) {
+      dispatch(width, xor_values, [&](auto ops) {
+        ops.scatter_range(target, gaps.data(), raw + 4 * k, k, &j, &pos, hi / width);
+        return 0;
+      });
+    } else if (layout == kLayoutDense) {
+      dispatch(width, xor_values, [&](auto ops) {
+        ops.unplanes_range(target, n, raw, lo / width, hi / width);
+        return 0;
+      });
+    }
+    if (hash) xxh3_long_update(hash, target + lo, hash_offset + lo, hi - lo);
+  }
   return kSparseOk;
 }
 

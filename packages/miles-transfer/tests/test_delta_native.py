@@ -17,6 +17,9 @@ from delta_testutil import base_tensors, same_files, step, write_checkpoint
 
 import miles_transfer._delta_codec as codec
 from miles_transfer import encode_delta, materialize_delta
+from miles_transfer._delta import encode_checkpoints
+from miles_transfer._delta_format import CheckpointIndex, MemoryCheckpoint
+from miles_transfer._delta_materialize import materialize_checkpoint
 from miles_transfer._delta_native import (
     StripeHash,
     _ext,
@@ -220,3 +223,49 @@ def test_fused_checksums_in_manifest(tmp_path: Path, chunk_elems: int) -> None:
     for backend in ("torch", "native"):
         encode_delta(base, new, tmp_path / backend, chunk_elems=chunk_elems, backend=backend)  # type: ignore[arg-type]
     assert same_files(tmp_path / "torch", tmp_path / "native")
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_fused_apply_from_memory_and_disk(isa, tmp_path: Path, encoding: str) -> None:
+    """The fused copy+patch+hash apply: an in-memory base is read, never written; a base
+    directory is patched in its fresh read; the results equal the torch path's bit for bit."""
+    base_t = base_tensors()
+    new_t = step(base_t, 0.03, seed=4)
+    new_t["model.layers.0.mlp.down_proj.weight"] = torch.randn(64, 128).bfloat16()  # dense
+    keep = {k: v.clone() for k, v in base_t.items()}
+    base_mem = MemoryCheckpoint(list(base_t.items()))
+    enc = encode_checkpoints(
+        base_mem,
+        MemoryCheckpoint(list(new_t.items())),
+        tmp_path / "d",
+        encoding=encoding,
+        chunk_elems=1024,
+    )
+    assert enc.changed_elements > 0
+    results = {}
+    for backend in ("torch", "native"):
+        for name, base in (("mem", base_mem), ("dir", CheckpointIndex(base_dir(tmp_path, base_t)))):
+            _, got = materialize_checkpoint(
+                base,
+                tmp_path / "d",
+                None,
+                keep_tensors=True,
+                backend=backend,  # type: ignore[arg-type]
+            )
+            results[backend, name] = got
+            for k, v in got.items():
+                assert torch.equal(v.view(torch.uint8), new_t[k].view(torch.uint8)), (
+                    k,
+                    backend,
+                    name,
+                )
+    for k, v in keep.items():  # the in-memory base is unchanged
+        assert torch.equal(base_mem.read(k).view(torch.uint8), v.view(torch.uint8)), k
+    assert results["torch", "mem"].keys() == results["native", "dir"].keys()
+
+
+def base_dir(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    path = tmp_path / "base-dir"
+    if not path.exists():
+        write_checkpoint(path, tensors)
+    return path

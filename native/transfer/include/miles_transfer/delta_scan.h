@@ -73,6 +73,19 @@ int sparse_apply(uint8_t* target, int64_t n, int width, const uint8_t* raw, int6
 // (xor) or target = values.
 void dense_apply(uint8_t* target, int64_t n, int width, const uint8_t* raw, bool xor_values);
 
+// Chunk layouts for apply_fused.
+enum ChunkLayout : int { kLayoutNone = 0, kLayoutSparse = 1, kLayoutDense = 2 };
+
+// One pass over a chunk of the result: target = source (copied unless they are the same
+// memory), patched by the chunk (kLayoutSparse: raw holds k elements; kLayoutDense: n; None:
+// unchanged), and the result's bytes fed to `hash` (may be null) as bytes [hash_offset,
+// hash_offset + n * width) of its input. Works in sub-blocks that stay in cache between the
+// three steps. A sparse chunk's gaps are checked first (status as for sparse_apply; nothing
+// written on a bad one).
+int apply_fused(uint8_t* target, const uint8_t* source, int64_t n, int width, int layout,
+                const uint8_t* raw, int64_t k, bool xor_values, Xxh3Long* hash,
+                int64_t hash_offset, int64_t* last_pos);
+
 // Which implementation the dispatch uses: "avx512", "avx2" or "generic".
 const char* delta_isa();
 

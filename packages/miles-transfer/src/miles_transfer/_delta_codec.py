@@ -44,6 +44,7 @@ __all__ = [
     "ChunkPatch",
     "Encoding",
     "apply_chunk",
+    "check_chunk",
     "checksum",
     "checksum_bytes",
     "compress",
@@ -252,6 +253,19 @@ def encode_chunk(
     return ChunkPatch(index, layout, k, compress(byte_view(raw)), raw.numel())
 
 
+def check_chunk(layout: str, changed: int, nbytes: int, n: int, w: int) -> None:
+    """Check a decompressed chunk's size against its layout (``n`` elements of ``w`` bytes).
+
+    Raises:
+        ValueError: the size or layout cannot describe a patch of this chunk.
+    """
+    if layout == "dense":
+        if nbytes != n * w:
+            raise ValueError(f"a dense chunk holds {nbytes} bytes, expected {n * w}")
+    elif layout != "sparse" or nbytes != changed * (4 + w) or not 0 < changed <= n:
+        raise ValueError(f"malformed {layout!r} chunk ({nbytes} bytes, {changed} changed)")
+
+
 def apply_chunk(
     target: torch.Tensor,
     layout: str,
@@ -269,25 +283,21 @@ def apply_chunk(
         ValueError: the bytes do not describe a valid patch of this chunk (nothing is written).
     """
     n, w = target.numel(), target.element_size()
-    native = resolve_backend(backend, target) and target.is_contiguous()
-    if native and layout == "dense" and len(raw) == n * w:
-        native_apply_dense(target, raw, encoding == "xor")
-        return
-    if native and layout == "sparse" and len(raw) == changed * (4 + w) and 0 < changed <= n:
-        native_apply_sparse(target, raw, changed, encoding == "xor")
+    check_chunk(layout, changed, len(raw), n, w)
+    if resolve_backend(backend, target) and target.is_contiguous():
+        if layout == "dense":
+            native_apply_dense(target, raw, encoding == "xor")
+        else:
+            native_apply_sparse(target, raw, changed, encoding == "xor")
         return
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
     if layout == "dense":
-        if len(raw) != n * w:
-            raise ValueError(f"a dense chunk holds {len(raw)} bytes, expected {n * w}")
         values = _unshuffle(buf, target.dtype, n)
         if encoding == "xor":
             target.bitwise_xor_(values)
         else:
             target.copy_(values)
         return
-    if layout != "sparse" or len(raw) != changed * (4 + w) or not 0 < changed <= n:
-        raise ValueError(f"malformed {layout!r} chunk ({len(raw)} bytes, {changed} changed)")
     gaps = _unshuffle(buf[: 4 * changed], torch.int32, changed).to(torch.int64)
     if int(gaps[0]) < 0 or (changed > 1 and int(gaps[1:].min()) <= 0):
         raise ValueError("malformed sparse chunk: positions are not strictly increasing")

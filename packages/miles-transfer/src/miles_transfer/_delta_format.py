@@ -127,6 +127,10 @@ class CheckpointIndex:
         self._open: dict[Path, io.BufferedReader] = {}
         self.checksums: dict[str, str] = {}  # filled by whoever hashes a tensor
 
+    # Whether read(name) without writable returns memory this object keeps (so a caller that
+    # modifies a tensor must ask for a copy); here every read is a fresh buffer.
+    shares_memory = False
+
     def read(self, name: str, *, writable: bool = False) -> torch.Tensor:
         """Read one tensor into fresh CPU memory (always writable here)."""
         e = self.tensors[name]
@@ -223,6 +227,8 @@ class MemoryCheckpoint(CheckpointIndex):
                 os.fsync(f.fileno())
         for name, data in self._other.items():
             (directory / name).write_bytes(data)
+
+    shares_memory = True
 
     def read(self, name: str, *, writable: bool = False) -> torch.Tensor:
         """The stored tensor itself, or a copy when the caller will modify it."""

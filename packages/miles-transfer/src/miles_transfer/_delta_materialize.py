@@ -23,7 +23,14 @@ import torch
 
 from miles_transfer._bytes import byte_view
 from miles_transfer._delta import Progress, _fresh_staging, _publish
-from miles_transfer._delta_codec import Encoding, apply_chunk, checksum, checksum_bytes, int_view
+from miles_transfer._delta_codec import (
+    Encoding,
+    apply_chunk,
+    check_chunk,
+    checksum,
+    checksum_bytes,
+    int_view,
+)
 from miles_transfer._delta_format import (
     CheckpointIndex,
     decode_frame,
@@ -33,7 +40,12 @@ from miles_transfer._delta_format import (
     read_blob,
     read_frame,
 )
-from miles_transfer._delta_native import DeltaBackend
+from miles_transfer._delta_native import (
+    DeltaBackend,
+    StripeHash,
+    native_apply_fused,
+    resolve_backend,
+)
 from miles_transfer._delta_pipeline import default_workers, ordered_map
 from miles_transfer._safetensors import SAFETENSORS_DTYPES
 
@@ -93,7 +105,9 @@ def _check_base(base: CheckpointIndex, m: dict[str, Any], delta: Path) -> None:
 # (file, tensor name, manifest entry, base tensor or None for a new one, [(chunk, layout,
 # changed, frame ref, compressed frame)])
 _Frame = tuple[int, str, int, Any, bytes]
-_Job = tuple[str, str, dict[str, Any], "torch.Tensor | None", list[_Frame]]
+# (file, name, manifest entry, start tensor (None: a new tensor), whether start is the base's own
+# memory (the result then goes to fresh memory), frames)
+_Job = tuple[str, str, dict[str, Any], "torch.Tensor | None", bool, list[_Frame]]
 _Result = tuple[str, str, torch.Tensor, bool]
 
 
@@ -104,14 +118,19 @@ def _tensor_result(
 
     Returns ``(file, name, tensor, checksum_ok)``.
     """
-    fname, name, t, start, frames = job
+    fname, name, t, start, shared, frames = job
+    n = t["chunk_elems"]
+    patch = start is not None and t["op"] == "patch"
+    if start is not None and patch and resolve_backend(backend, start):
+        w = start.element_size()
+        if StripeHash.usable(start.numel() * w, n * w):
+            return _fused_result(job, encoding, delta)
     if start is None:
         out = torch.zeros(t["shape"], dtype=SAFETENSORS_DTYPES[t["dtype"]])
         enc: Encoding = "overwrite"
     else:
-        out, enc = start, encoding
+        out, enc = (start.clone() if shared and patch else start), encoding
     view = int_view(out)
-    n = t["chunk_elems"]
     for index, layout, changed, ref, blob in frames:
         what = f"chunk {index} of {name}"
         raw = decode_frame(blob, ref, what)
@@ -122,6 +141,38 @@ def _tensor_result(
         except (ValueError, IndexError, RuntimeError) as e:
             raise ValueError(f"{delta}: {what} is corrupted: {e}") from e
     return fname, name, out, checksum(out) == t["checksum"]
+
+
+def _fused_result(job: _Job, encoding: Encoding, delta: Path) -> _Result:
+    """``_tensor_result`` in one native pass per chunk: copy (from a shared base), patch and
+    hash while the bytes are in cache, instead of a copy, a patch and a hash pass."""
+    fname, name, t, start, shared, frames = job
+    assert start is not None
+    out = torch.empty_like(start) if shared else start
+    src, dst = int_view(start), int_view(out)
+    n, w, numel = t["chunk_elems"], start.element_size(), start.numel()
+    h = StripeHash(out)
+    by_index = {f[0]: f for f in frames}
+    count = -(-numel // n)
+    if len(by_index) != len(frames) or not all(0 <= i < count for i in by_index):
+        raise ValueError(f"{delta}: the chunk list of {name} is corrupted (bad chunk indices)")
+    for i in range(count):
+        piece = slice(i * n, min(numel, (i + 1) * n))
+        frame = by_index.get(i)
+        if frame is None:
+            native_apply_fused(dst[piece], src[piece], None, 0, b"", False, (h, i * n * w))
+            continue
+        _, layout, changed, ref, blob = frame
+        what = f"chunk {i} of {name}"
+        raw = decode_frame(blob, ref, what)
+        try:
+            check_chunk(layout, changed, len(raw), piece.stop - piece.start, w)
+            native_apply_fused(
+                dst[piece], src[piece], layout, changed, raw, encoding == "xor", (h, i * n * w)
+            )
+        except ValueError as e:
+            raise ValueError(f"{delta}: {what} is corrupted: {e}") from e
+    return fname, name, out, h.hexdigest() == t["checksum"]
 
 
 def _mismatch(
@@ -180,12 +231,15 @@ def materialize_checkpoint(
         for f in m["files"]:
             for name in f["tensors"]:
                 t = m["tensors"][name]
-                start = None if t["op"] == "new" else base.read(name, writable=t["op"] == "patch")
+                # A base that hands out its own memory is read without a copy; the result then
+                # goes to fresh memory (_tensor_result), else it is patched in place.
+                shared = base.shares_memory
+                start = None if t["op"] == "new" else base.read(name, writable=not shared)
                 frames = [
                     (i, layout, k, ref, read_frame(payload, ref, f"chunk {i} of {name}"))
                     for i, layout, k, ref in iter_chunks(t)
                 ]
-                yield (f["name"], name, t, start, frames), _nbytes(t)
+                yield (f["name"], name, t, start, shared, frames), _nbytes(t)
 
     def compute(job: _Job) -> _Result:
         return _tensor_result(job, m["encoding"], delta, backend)

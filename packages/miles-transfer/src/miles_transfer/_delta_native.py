@@ -28,6 +28,7 @@ __all__ = [
     "delta_isa",
     "delta_native_available",
     "native_apply_dense",
+    "native_apply_fused",
     "native_apply_sparse",
     "native_encode",
     "resolve_backend",
@@ -210,3 +211,48 @@ def native_apply_dense(target: torch.Tensor, raw: bytes, xor: bool) -> None:
     assert _ext is not None
     assert target.is_contiguous()
     _ext.dense_apply(target.data_ptr(), target.numel(), target.element_size(), bytes(raw), xor)
+
+
+_LAYOUTS = {None: 0, "sparse": 1, "dense": 2}
+
+
+def native_apply_fused(
+    target: torch.Tensor,
+    source: torch.Tensor,
+    layout: str | None,
+    changed: int,
+    raw: bytes,
+    xor: bool,
+    hashes: tuple[StripeHash | None, int],
+) -> None:
+    """One chunk of a result in one pass: ``target = source`` patched by the chunk (``layout``
+    None: unchanged), its bytes fed to ``hashes[0]`` at byte offset ``hashes[1]``.
+
+    ``target`` and ``source`` are contiguous 1-D integer views of one length (the same memory
+    to patch in place). The caller checks ``raw``'s size against the layout first.
+
+    Raises:
+        ValueError: a sparse chunk's gaps are not strictly increasing or reach past the chunk
+            (nothing is written then).
+    """
+    assert _ext is not None
+    assert target.is_contiguous()
+    assert source.is_contiguous()
+    n, w = target.numel(), target.element_size()
+    h, offset = hashes
+    status, last = _ext.apply_fused(
+        target.data_ptr(),
+        source.data_ptr(),
+        n,
+        w,
+        _LAYOUTS[layout],
+        bytes(raw),
+        changed,
+        xor,
+        0 if h is None else h.address,
+        offset,
+    )
+    if status == 1:
+        raise ValueError("malformed sparse chunk: positions are not strictly increasing")
+    if status == 2:
+        raise ValueError(f"malformed sparse chunk: position {last} >= chunk size {n}")
