@@ -2,8 +2,9 @@
 
 Chunk level: every instruction set this CPU has (AVX-512, AVX2, portable), every dtype a delta
 stores, odd lengths, no change, all changed, the sparse/dense boundary, non-contiguous views,
-malformed patches. File level: the delta directories are byte-identical, and a delta written by
-either path applies with the other.
+malformed patches. File level: the delta directories are byte-identical, a delta written by
+either path applies with the other, and deltas stored from the code before the native kernels
+(data/) are written byte for byte the same today and apply.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from delta_golden import CHUNK_ELEMS, GOLDEN, checkpoints
 from delta_testutil import base_tensors, same_files, step, write_checkpoint
 
 import miles_transfer._delta_codec as codec
@@ -269,3 +271,20 @@ def base_dir(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> Path:
     if not path.exists():
         write_checkpoint(path, tensors)
     return path
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_golden_deltas_from_before_the_native_kernels(isa, tmp_path: Path, encoding: str) -> None:
+    """Deltas written by the code before the native kernels (data/, commit fa5661e): today's
+    code, either path, writes the same bytes, and applies them to the same checkpoint."""
+    base_t, new_t = checkpoints()
+    base = write_checkpoint(tmp_path / "base", base_t)
+    new = write_checkpoint(tmp_path / "new", new_t)
+    golden = GOLDEN / f"golden-{encoding}"
+    for backend in ("native", "torch"):
+        out = tmp_path / f"delta-{backend}"
+        encode_delta(base, new, out, encoding=encoding, chunk_elems=CHUNK_ELEMS, backend=backend)  # type: ignore[arg-type]
+        assert same_files(out, golden), backend
+        result = tmp_path / f"result-{backend}"
+        materialize_delta(base, golden, result, backend=backend)  # type: ignore[arg-type]
+        assert same_files(result, new), backend
