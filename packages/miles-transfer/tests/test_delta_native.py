@@ -9,6 +9,9 @@ either path applies with the other, and deltas stored from the code before the n
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -288,3 +291,44 @@ def test_golden_deltas_from_before_the_native_kernels(isa, tmp_path: Path, encod
         result = tmp_path / f"result-{backend}"
         materialize_delta(base, golden, result, backend=backend)  # type: ignore[arg-type]
         assert same_files(result, new), backend
+
+
+def test_without_the_extension_deltas_take_the_torch_path(tmp_path: Path) -> None:
+    """MILES_TRANSFER_DISABLE_NATIVE=1 (as without a compiler): same golden bytes, same result;
+    backend='native' says what to do."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from delta_golden import CHUNK_ELEMS, GOLDEN, checkpoints\n"
+        "from delta_testutil import same_files, write_checkpoint\n"
+        "from miles_transfer import encode_delta, materialize_delta\n"
+        "from miles_transfer._delta_native import delta_native_available\n"
+        "assert not delta_native_available()\n"
+        "tmp = Path(sys.argv[1])\n"
+        "base_t, new_t = checkpoints()\n"
+        "base = write_checkpoint(tmp / 'base', base_t)\n"
+        "new = write_checkpoint(tmp / 'new', new_t)\n"
+        "encode_delta(base, new, tmp / 'd', chunk_elems=CHUNK_ELEMS)\n"
+        "assert same_files(tmp / 'd', GOLDEN / 'golden-xor')\n"
+        "materialize_delta(base, tmp / 'd', tmp / 'out')\n"
+        "assert same_files(tmp / 'out', new)\n"
+        "try:\n"
+        "    encode_delta(base, new, tmp / 'd2', backend='native')\n"
+        "except RuntimeError as e:\n"
+        "    assert 'C++ compiler' in str(e) and 'MILES_TRANSFER_DISABLE_NATIVE' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('native backend ran without the extension')\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, MILES_TRANSFER_DISABLE_NATIVE="1", OMP_NUM_THREADS="1")
+    here = os.path.dirname(__file__)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
