@@ -14,6 +14,9 @@ the full checkpoint's bytes:
   host does before ``update_weights_from_tensor``; nothing written);
 - apply (to disk): write the whole new checkpoint directory (adds a full disk write).
 
+``--backend`` picks the chunk kernels (``auto``: the native ones when built); ``--compare-torch``
+adds the PyTorch path's encode and apply rows to the same interleaved rounds.
+
 GB/s counts the checkpoint's bytes (not the delta's). Laptop: ``python
 tools/bench/delta_speed.py`` (about 1 min on 2 cores). Cluster: ``--mb 8192``.
 """
@@ -32,6 +35,7 @@ import torch
 from miles_transfer._delta import encode_checkpoints
 from miles_transfer._delta_format import MemoryCheckpoint
 from miles_transfer._delta_materialize import materialize_checkpoint
+from miles_transfer._delta_native import delta_isa
 
 
 def make_model(mb: int, changed: float, seed: int) -> tuple[list[tuple[str, torch.Tensor]], ...]:
@@ -72,6 +76,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--encoding", choices=("xor", "overwrite"), default="xor")
     p.add_argument("--workdir", type=Path, default=None, help="where deltas are written")
+    p.add_argument("--backend", choices=("auto", "native", "torch"), default="auto")
+    p.add_argument(
+        "--compare-torch", action="store_true", help="also time the torch path in each round"
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -92,26 +100,34 @@ def main() -> None:
         counter = [0]
         last: list[object] = []
 
-        def encode() -> None:
+        def encode(backend: str = args.backend) -> None:
             # As in DeltaPublisher: the base was hashed when it was published, the new
             # version is hashed here.
             new.checksums.clear()
             counter[0] += 1
             out = work / f"d{counter[0]}"
-            last[:] = [encode_checkpoints(base, new, out, encoding=args.encoding)]
+            last[:] = [
+                encode_checkpoints(
+                    base,
+                    new,
+                    out,
+                    encoding=args.encoding,
+                    backend=backend,  # type: ignore[arg-type]
+                )
+            ]
 
         def encode_cold() -> None:
             # As the CLI on two directories: both sides hashed.
             base.checksums.clear()
             encode()
 
-        def apply_memory() -> None:
-            materialize_checkpoint(base, work / f"d{counter[0]}", None)
+        def apply_memory(backend: str = args.backend) -> None:
+            materialize_checkpoint(base, work / f"d{counter[0]}", None, backend=backend)  # type: ignore[arg-type]
 
         def apply_disk() -> None:
             out = work / "out"
             shutil.rmtree(out, ignore_errors=True)
-            materialize_checkpoint(base, work / f"d{counter[0]}", out)
+            materialize_checkpoint(base, work / f"d{counter[0]}", out, backend=args.backend)
 
         # Interleaved: one of each per round, best of the rounds, so a burst of other jobs on
         # the shared machine hits every operation alike.
@@ -122,6 +138,9 @@ def main() -> None:
             "apply in memory": apply_memory,
             "apply to disk (new dir)": apply_disk,
         }
+        if args.compare_torch:
+            ops["encode, torch path (publisher)"] = lambda: encode("torch")
+            ops["apply in memory, torch path"] = lambda: apply_memory("torch")
         times = {name: float("inf") for name in ops}
         for _ in range(args.repeat):
             for name, fn in ops.items():
@@ -133,7 +152,8 @@ def main() -> None:
     gbs = nbytes / 1e9
     print(
         f"checkpoint {nbytes / 2**20:.0f} MiB bf16, {args.encoding}, "
-        f"{torch.get_num_threads()} torch threads; {report.summary()}"  # type: ignore[attr-defined]
+        f"{torch.get_num_threads()} torch threads, backend {args.backend} (native kernels: "
+        f"{delta_isa() or 'not built'}); {report.summary()}"  # type: ignore[attr-defined]
     )
     print("| operation | seconds | GB/s | vs memcpy |")
     print("| --- | --- | --- | --- |")
