@@ -14,6 +14,9 @@ QUANT_SOURCES := packages/miles-quant/CMakeLists.txt $(shell find native/quant -
 # miles-transfer's optional re-sharding extension (native/transfer), likewise.
 TRANSFER_NATIVE := $(VENV)/.miles-transfer-native
 TRANSFER_SOURCES := packages/miles-transfer/CMakeLists.txt $(shell find native/transfer -type f ! -name BUILD 2>/dev/null)
+# miles-rollout's optional decode-attention kernel (native/rollout), likewise.
+ROLLOUT_NATIVE := $(VENV)/.miles-rollout-native
+ROLLOUT_SOURCES := packages/miles-rollout/CMakeLists.txt $(shell find native/rollout -type f ! -name BUILD 2>/dev/null)
 # miles-offload's pager (native/offload), likewise; liburing-dev gives it io_uring (without it the
 # pager is built with its pread/pwrite thread pool only), fio is the benchmarks' peer.
 OFFLOAD_NATIVE := $(VENV)/.miles-offload-native
@@ -21,7 +24,7 @@ OFFLOAD_SOURCES := packages/miles-offload/CMakeLists.txt $(shell find native/off
 
 .PHONY: setup demo test lint typecheck pytest pants-test pants-packages clean
 
-setup: $(STAMP) $(QUANT_NATIVE) $(TRANSFER_NATIVE) $(OFFLOAD_NATIVE)
+setup: $(STAMP) $(QUANT_NATIVE) $(TRANSFER_NATIVE) $(ROLLOUT_NATIVE) $(OFFLOAD_NATIVE)
 
 $(STAMP): constraints.txt requirements-dev.txt $(foreach p,$(PACKAGES) packages/miles,$(p)/pyproject.toml)
 	@command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || { \
@@ -47,6 +50,12 @@ $(TRANSFER_NATIVE): $(TRANSFER_SOURCES) | $(STAMP)
 	  echo "$(PIP) -q --no-deps -e packages/miles-transfer"; \
 	  $(PIP) -q --no-deps -e packages/miles-transfer; fi
 	touch $(TRANSFER_NATIVE)
+
+$(ROLLOUT_NATIVE): $(ROLLOUT_SOURCES) | $(STAMP)
+	@if [ -n "$$(find $(ROLLOUT_SOURCES) -newer $(STAMP) 2>/dev/null)" ]; then \
+	  echo "$(PIP) -q --no-deps -e packages/miles-rollout"; \
+	  $(PIP) -q --no-deps -e packages/miles-rollout; fi
+	touch $(ROLLOUT_NATIVE)
 
 $(OFFLOAD_NATIVE): $(OFFLOAD_SOURCES) | $(STAMP)
 	@if [ -n "$$(find $(OFFLOAD_SOURCES) -newer $(STAMP) 2>/dev/null)" ]; then \

@@ -1,0 +1,68 @@
+// The one binding file: miles_rollout._ext, a thin nanobind layer over the decode-attention
+// kernel (decode_attention.h). Tensors arrive as addresses, sizes and strides (elements): the
+// Python wrapper (miles_rollout._native_attention) owns the tensors and checks dtypes, shapes,
+// strides and bounds; this layer checks the scalars. The kernel runs without the GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "miles_rollout/decode_attention.h"
+
+namespace nb = nanobind;
+using namespace miles_rollout;
+
+NB_MODULE(_ext, m) {
+  m.doc() = "miles_rollout native decode attention (see miles_rollout/_native_attention.py)";
+  m.def(
+      "decode_attention",
+      [](uintptr_t q, int64_t q_stride_n, int64_t q_stride_kv, int64_t q_stride_g, uintptr_t k,
+         uintptr_t v, int64_t t_cap, uintptr_t lengths, int64_t n, int64_t kv_heads,
+         int64_t group, int64_t head_dim, float scale, uintptr_t out) {
+        if (n < 0 || kv_heads < 1 || group < 1 || t_cap < 1)
+          throw std::invalid_argument(
+              "miles_rollout._ext.decode_attention: n >= 0, kv_heads, group, t_cap >= 1");
+        if (head_dim < 16 || head_dim % 16 != 0)
+          throw std::invalid_argument(
+              "miles_rollout._ext.decode_attention: head_dim must be a positive multiple of 16");
+        DecodeAttention a{reinterpret_cast<const uint16_t*>(q),
+                          q_stride_n,
+                          q_stride_kv,
+                          q_stride_g,
+                          reinterpret_cast<const uint16_t*>(k),
+                          reinterpret_cast<const uint16_t*>(v),
+                          t_cap,
+                          reinterpret_cast<const int64_t*>(lengths),
+                          n,
+                          kv_heads,
+                          group,
+                          head_dim,
+                          scale,
+                          reinterpret_cast<uint16_t*>(out)};
+        int64_t bad;
+        {
+          nb::gil_scoped_release release;
+          bad = decode_attention(a);
+        }
+        if (bad != 0)
+          throw std::invalid_argument(
+              "miles_rollout._ext.decode_attention: lengths[" + std::to_string(bad - 1) + "] = " +
+              std::to_string(a.lengths[bad - 1]) + " is outside [1, " +
+              std::to_string(t_cap) + "] (the cache's positions)");
+      },
+      nb::arg("q"), nb::arg("q_stride_n"), nb::arg("q_stride_kv"), nb::arg("q_stride_g"),
+      nb::arg("k"), nb::arg("v"), nb::arg("t_cap"), nb::arg("lengths"), nb::arg("n"),
+      nb::arg("kv_heads"), nb::arg("group"), nb::arg("head_dim"), nb::arg("scale"),
+      nb::arg("out"),
+      "bf16 decode attention over a slot KV cache; see native/rollout/include/miles_rollout/"
+      "decode_attention.h for the layout and numerics.");
+  m.def("attention_isa", &attention_isa,
+        "The implementation in use: 'avx512', 'avx2' or 'generic'.");
+  m.def(
+      "attention_use_isa", [](const std::string& name) { return attention_use_isa(name.c_str()); },
+      nb::arg("name"),
+      "Use 'avx512', 'avx2' or 'generic' from now on if this CPU supports it (for tests); "
+      "returns False and changes nothing otherwise.");
+}
