@@ -7,8 +7,15 @@ sampling at temperature 1 (no top-k/top-p) and every request forced to ``--new-t
 (EOS ignored), so both sides produce exactly the same number of tokens. ``--group-size 8``
 repeats each prompt 8 times, as GRPO does (the engine then prefills each prompt once).
 
+``--compare-attention`` (bf16) also runs the engine with its PyTorch decode attention
+(``attention_backend="torch"``) next to the native kernel, and times one layer's decode
+attention both ways on this model's shape (64 rows, lengths as at mid-generation) in thread
+CPU time, which other processes on a shared machine disturb less than wall time.
+
 Laptop:   python tools/bench/engine_throughput.py                # ~1 min on 2 cores
           python tools/bench/engine_throughput.py --threads 1 --repeat 3
+          python tools/bench/engine_throughput.py --threads 1 --repeat 3 --dtype bfloat16 \
+              --hidden 384 --intermediate 1152 --layers 6 --heads 6 --compare-attention
 Cluster:  not meant for GPUs (the embedded engine is CPU-only); benchmark SGLang instead.
 """
 
@@ -86,11 +93,18 @@ def bench_hf(path: str, prompts: list[list[int]], new_tokens: int, dtype: torch.
     return elapsed
 
 
-def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, dtype: str) -> float:
+def bench_engine(
+    path: str, prompts: list[list[int]], new_tokens: int, dtype: str, attention: str = "auto"
+) -> float:
     """Seconds for the engine to finish all prompts submitted at once."""
     from miles_rollout import EngineConfig, SamplingParams
 
-    engine = EngineConfig(model_path=path, dtype=dtype, max_running_requests=len(prompts)).build()
+    engine = EngineConfig(
+        model_path=path,
+        dtype=dtype,
+        max_running_requests=len(prompts),
+        attention_backend=attention,
+    ).build()
     try:
         params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
         engine.generate(prompts[0][:4], SamplingParams(max_new_tokens=2))
@@ -102,6 +116,36 @@ def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, dtype: st
         engine.shutdown()
     assert all(o.completion_tokens == new_tokens for o in outs)
     return elapsed
+
+
+def bench_attention(args: argparse.Namespace, repeat: int) -> dict[str, list[float]]:
+    """Thread-CPU microseconds of one layer's bf16 decode attention, per backend (interleaved)."""
+    from miles_rollout._decode_attention import decode_attention
+
+    gen = torch.Generator().manual_seed(0)
+    n, kv, hd = args.requests, args.kv_heads, args.hidden // args.heads
+    group = args.heads // kv
+    t_cap = 128
+    while t_cap < args.max_prompt + args.new_tokens:
+        t_cap *= 2
+    qk = torch.randn(n, args.heads + kv, hd, generator=gen).bfloat16()
+    q = qk[:, : args.heads].reshape(n, kv, group, hd)  # the engine's strided view
+    k = torch.randn(n, kv, t_cap, hd, generator=gen).bfloat16()
+    v = torch.randn(n, kv, t_cap, hd, generator=gen).bfloat16()
+    # Mid-generation: each prompt plus half the new tokens.
+    lo, hi = args.min_prompt + args.new_tokens // 2, args.max_prompt + args.new_tokens // 2
+    lengths = torch.randint(lo, hi + 1, (n,), generator=gen)
+    scale = hd**-0.5
+    calls = 200
+    out: dict[str, list[float]] = {"torch": [], "native": []}
+    for _ in range(repeat):
+        for backend in out:
+            decode_attention(q, k, v, lengths, scale, backend=backend)
+            start = time.thread_time()
+            for _ in range(calls):
+                decode_attention(q, k, v, lengths, scale, backend=backend)
+            out[backend].append((time.thread_time() - start) / calls * 1e6)
+    return out
 
 
 def main() -> None:
@@ -123,7 +167,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--repeat", type=int, default=2, help="alternating runs of each side")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--compare-attention",
+        action="store_true",
+        help="bf16: engine with native vs PyTorch decode attention, plus a per-layer timing",
+    )
     args = parser.parse_args()
+    if args.compare_attention and args.dtype != "bfloat16":
+        parser.error("--compare-attention needs --dtype bfloat16 (float32 decodes with SDPA)")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -139,10 +190,15 @@ def main() -> None:
         )
         hf: list[float] = []
         eng: list[float] = []
+        eng_torch: list[float] = []
         for _ in range(args.repeat):  # alternate so background load hits both sides alike
             if not args.skip_hf:
                 hf.append(bench_hf(tmp, prompts, args.new_tokens, dtype))
             eng.append(bench_engine(tmp, prompts, args.new_tokens, args.dtype))
+            if args.compare_attention:
+                eng_torch.append(
+                    bench_engine(tmp, prompts, args.new_tokens, args.dtype, attention="torch")
+                )
         # Best and median: on a shared machine the best run is the least disturbed one.
         e_best, e_med = min(eng), statistics.median(eng)
         print(
@@ -153,6 +209,18 @@ def main() -> None:
             h_rates = f"best {tokens / h_best:7.0f} tok/s, median {tokens / h_med:7.0f} tok/s"
             print(f"HF generate : {h_rates}")
             print(f"speed-up    : best {h_best / e_best:.2f}x, median {h_med / e_med:.2f}x")
+        if eng_torch:
+            t_best, t_med = min(eng_torch), statistics.median(eng_torch)
+            print(
+                f"engine, torch attention: best {tokens / t_best:7.0f} tok/s, median "
+                f"{tokens / t_med:7.0f} tok/s (native: {t_med / e_med:.2f}x median)"
+            )
+            per_layer = bench_attention(args, args.repeat)
+            nat, tor = min(per_layer["native"]), min(per_layer["torch"])
+            print(
+                f"decode attention, one layer ({args.requests} rows, thread CPU time, best of "
+                f"{args.repeat}): native {nat:.0f} us, torch {tor:.0f} us ({tor / nat:.1f}x)"
+            )
 
 
 if __name__ == "__main__":

@@ -89,7 +89,12 @@ class Engine:
         self._params = param_table(model)
         self._weight_version = config.weight_version
         self._rng = random.Random(config.seed)
-        runner = CausalLMRunner(model, max_batch=config.max_running_requests, context_length=ctx)
+        runner = CausalLMRunner(
+            model,
+            max_batch=config.max_running_requests,
+            context_length=ctx,
+            attention_backend=config.attention_backend,
+        )
         self.vocab_size = runner.vocab_size
         self._runner = runner
         self._scheduler = Scheduler(
