@@ -22,6 +22,7 @@ from delta_testutil import base_tensors, same_files, step, write_checkpoint
 
 import miles_transfer._delta_codec as codec
 from miles_transfer import encode_delta, materialize_delta
+from miles_transfer._bytes import byte_view
 from miles_transfer._delta import encode_checkpoints
 from miles_transfer._delta_format import CheckpointIndex, MemoryCheckpoint
 from miles_transfer._delta_materialize import materialize_checkpoint
@@ -155,7 +156,8 @@ def test_malformed_sparse_chunks_write_nothing(isa, gaps, message):
     k, n = len(gaps), 100
     g = torch.tensor(gaps, dtype=torch.int32)
     vals = torch.arange(1, k + 1, dtype=torch.int16)
-    raw = bytes(codec._shuffle(g).numpy().tobytes() + codec._shuffle(vals).numpy().tobytes())
+    planes = torch.cat([codec._shuffle(g), codec._shuffle(vals)])  # kept alive below
+    raw = bytes(byte_view(planes))
     for backend in ("torch", "native"):
         target = torch.zeros(n, dtype=torch.int16)
         with pytest.raises(ValueError, match=message):
@@ -198,7 +200,7 @@ def test_native_xxh3_matches_xxhash(isa, nbytes):
 
     g = torch.Generator().manual_seed(nbytes)
     t = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
-    want = xxhash.xxh3_128_hexdigest(t.numpy().tobytes())
+    want = xxhash.xxh3_128_hexdigest(byte_view(t))
     h = StripeHash(t)
     h.update(0, nbytes)
     assert h.hexdigest() == want
@@ -215,7 +217,7 @@ def test_native_xxh3_matches_xxhash(isa, nbytes):
         for off in range(0, nbytes, piece):
             native_encode(base[off : off + piece], t[off : off + piece], True, 0, (hn, hb, off))
         assert hn.hexdigest() == want
-        assert hb.hexdigest() == xxhash.xxh3_128_hexdigest(base.numpy().tobytes())
+        assert hb.hexdigest() == xxhash.xxh3_128_hexdigest(byte_view(base))
 
 
 @pytest.mark.parametrize("chunk_elems", [32, 1024, 1 << 22])
