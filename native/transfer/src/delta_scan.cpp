@@ -117,28 +117,40 @@ void hash_scalar(Xxh3Long* st, const uint8_t* data, int64_t offset, int64_t byte
     xxh3::stripe_scalar(st->acc, data + o, s);
 }
 
-inline int64_t hash_after(int64_t k, Xxh3Long* hn, const uint8_t* next, Xxh3Long* hb,
-                          const uint8_t* base, int64_t offset, int64_t bytes) {
-  if (hn) hash_scalar(hn, next, offset, bytes);
-  if (hb) hash_scalar(hb, base, offset, bytes);
-  return k;
-}
+// XXH3 accumulators of one input kept in locals across a scan (the register state of each
+// instruction set): load, one 64-byte stripe at a time, store.
+struct HashScalar {
+  uint64_t acc[8];
+  MILES_INLINE void load(const Xxh3Long* st) { std::memcpy(acc, st->acc, sizeof(acc)); }
+  MILES_INLINE void step(const uint8_t* p, int64_t s) { xxh3::stripe_scalar(acc, p, s); }
+  MILES_INLINE void store(Xxh3Long* st) const { std::memcpy(st->acc, acc, sizeof(acc)); }
+};
 
 // The bit-loop scan, defined per instruction set (an always_inline body cannot call a
 // target-specific mask function unless it has that target itself).
-#define MILES_SCAN_BITS(NAME, ATTR, MASK)                                                       \
+#define MILES_SCAN_BITS(NAME, ATTR, MASK, HASH)                                                 \
   template <int W, bool XOR>                                                                    \
   ATTR int64_t NAME(const uint8_t* base, const uint8_t* next, int64_t n, int32_t* positions,    \
-                    uint8_t* values, int64_t cap) {                                             \
+                    uint8_t* values, int64_t cap, Xxh3Long* hn, Xxh3Long* hb, int64_t ho) {     \
     Emitter<W, XOR> e{base, next, positions, values, cap};                                      \
+    HASH sn, sb;                                                                                \
+    int64_t stripe = ho / 64, last = 0;                                                         \
+    if (hn) sn.load(hn), last = xxh3::regular_stripes(hn->len);                                 \
+    if (hb) sb.load(hb), last = xxh3::regular_stripes(hb->len);                                 \
     const int64_t bytes = n * W;                                                                \
     const int64_t full = bytes - bytes % kBlock;                                                \
-    for (int64_t off = 0; off < full; off += kBlock) {                                          \
+    for (int64_t off = 0; off < full; off += kBlock, ++stripe) {                                \
       __builtin_prefetch(base + off + kPrefetch);                                               \
       __builtin_prefetch(next + off + kPrefetch);                                               \
       const uint64_t m = MASK{}(base + off, next + off);                                        \
       if (m) e.emit(fold<W>(m), off);                                                           \
+      if (stripe < last) {                                                                      \
+        if (hn) sn.step(next + off, stripe);                                                    \
+        if (hb) sb.step(base + off, stripe);                                                    \
+      }                                                                                         \
     }                                                                                           \
+    if (hn) sn.store(hn);                                                                       \
+    if (hb) sb.store(hb);                                                                       \
     if (full < bytes) { /* the tail, zero-padded: padding never differs */                      \
       uint8_t a[kBlock] = {0}, b[kBlock] = {0};                                                 \
       std::memcpy(a, base + full, static_cast<size_t>(bytes - full));                           \
@@ -149,7 +161,7 @@ inline int64_t hash_after(int64_t k, Xxh3Long* hn, const uint8_t* next, Xxh3Long
     return e.k;                                                                                 \
   }
 
-MILES_SCAN_BITS(scan_bits_generic, , MaskGeneric)
+MILES_SCAN_BITS(scan_bits_generic, , MaskGeneric, HashScalar)
 
 // ---- the O(k) and byte-plane loops (vectorized by the compiler per target) ----
 
@@ -387,7 +399,51 @@ struct MaskAvx2 {
   }
 };
 
-MILES_SCAN_BITS(scan_bits_avx2, MILES_AVX2, MaskAvx2)
+// Two 256-bit halves of the accumulators (xxh3::stripe_scalar, four lanes at once).
+struct HashAvx2 {
+  __m256i acc[2];
+  MILES_AVX2 MILES_INLINE void load(const Xxh3Long* st) {
+    acc[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st->acc));
+    acc[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(st->acc + 4));
+  }
+  MILES_AVX2 MILES_INLINE void store(Xxh3Long* st) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(st->acc), acc[0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(st->acc + 4), acc[1]);
+  }
+  MILES_AVX2 MILES_INLINE void step(const uint8_t* p, int64_t s) {
+    const uint8_t* key = xxh3::kSecret + (s % xxh3::kStripesPerBlock) * 8;
+    const bool scramble = s % xxh3::kStripesPerBlock == xxh3::kStripesPerBlock - 1;
+    const __m256i prime = _mm256_set1_epi64x(static_cast<int64_t>(xxh3::kP32_1));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i data = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+      const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + 32 * h));
+      const __m256i dk = _mm256_xor_si256(data, k);
+      const __m256i prod = _mm256_mul_epu32(dk, _mm256_srli_epi64(dk, 32));
+      const __m256i swapped = _mm256_shuffle_epi32(data, 0x4E);
+      __m256i a = _mm256_add_epi64(acc[h], _mm256_add_epi64(prod, swapped));
+      if (scramble) {
+        a = _mm256_xor_si256(a, _mm256_srli_epi64(a, 47));
+        a = _mm256_xor_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                    xxh3::kSecret + xxh3::kScrambleAt + 32 * h)));
+        const __m256i lo = _mm256_mul_epu32(a, prime);
+        const __m256i hi = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), prime);
+        a = _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
+      }
+      acc[h] = a;
+    }
+  }
+};
+
+MILES_SCAN_BITS(scan_bits_avx2, MILES_AVX2, MaskAvx2, HashAvx2)
+
+MILES_AVX2 void hash_avx2(Xxh3Long* st, const uint8_t* data, int64_t offset, int64_t bytes) {
+  HashAvx2 h;
+  h.load(st);
+  const int64_t last = xxh3::regular_stripes(st->len);
+  for (int64_t s = offset / 64, o = 0; o + 64 <= bytes && s < last; ++s, o += 64)
+    h.step(data + o, s);
+  h.store(st);
+}
 #endif
 #undef MILES_SCAN_BITS
 
@@ -443,12 +499,9 @@ Isa g_isa = kBest;  // set once at load; delta_use_isa may lower it (tests)
   }                                                                                             \
   }
 
-// The bit-loop scans hash in a second pass over next (scalar XXH3; AVX-512 fuses it).
-MILES_KERNELS(generic, ,
-              (hash_after(scan_bits_generic<W, XOR>(b, x, n, p, v, cap), h, x, hb, b, ho, n * W)))
+MILES_KERNELS(generic, , (scan_bits_generic<W, XOR>(b, x, n, p, v, cap, h, hb, ho)))
 #ifdef MILES_X86
-MILES_KERNELS(avx2, MILES_AVX2,
-              (hash_after(scan_bits_avx2<W, XOR>(b, x, n, p, v, cap), h, x, hb, b, ho, n * W)))
+MILES_KERNELS(avx2, MILES_AVX2, (scan_bits_avx2<W, XOR>(b, x, n, p, v, cap, h, hb, ho)))
 MILES_KERNELS(avx512, MILES_AVX512,
               (h ? (hb ? scan_avx512<W, XOR, true, true>(b, x, n, p, v, cap, h, hb, ho)
                        : scan_avx512<W, XOR, true, false>(b, x, n, p, v, cap, h, hb, ho))
@@ -509,6 +562,7 @@ void xxh3_long_init(Xxh3Long* st, int64_t len) {
 void xxh3_long_update(Xxh3Long* st, const uint8_t* data, int64_t offset, int64_t bytes) {
 #ifdef MILES_X86
   if (g_isa == Isa::kAvx512) return hash_avx512(st, data, offset, bytes);
+  if (g_isa == Isa::kAvx2) return hash_avx2(st, data, offset, bytes);
 #endif
   hash_scalar(st, data, offset, bytes);
 }
