@@ -15,7 +15,8 @@ the full checkpoint's bytes:
 - apply (to disk): write the whole new checkpoint directory (adds a full disk write).
 
 ``--backend`` picks the chunk kernels (``auto``: the native ones when built); ``--compare-torch``
-adds the PyTorch path's encode and apply rows to the same interleaved rounds.
+adds the PyTorch path's encode and apply rows to the same interleaved rounds; ``--isa`` forces
+the native kernels' instruction set (AVX2 or portable code on an AVX-512 machine).
 
 GB/s counts the checkpoint's bytes (not the delta's). Laptop: ``python
 tools/bench/delta_speed.py`` (about 1 min on 2 cores). Cluster: ``--mb 8192``.
@@ -35,7 +36,7 @@ import torch
 from miles_transfer._delta import encode_checkpoints
 from miles_transfer._delta_format import MemoryCheckpoint
 from miles_transfer._delta_materialize import materialize_checkpoint
-from miles_transfer._delta_native import delta_isa
+from miles_transfer._delta_native import _ext, delta_isa
 
 
 def make_model(mb: int, changed: float, seed: int) -> tuple[list[tuple[str, torch.Tensor]], ...]:
@@ -80,9 +81,17 @@ def main() -> None:
     p.add_argument(
         "--compare-torch", action="store_true", help="also time the torch path in each round"
     )
+    p.add_argument(
+        "--isa",
+        choices=("avx512", "avx2", "generic"),
+        default=None,
+        help="force the native kernels' instruction set (default: the best this CPU has)",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.isa and (_ext is None or not _ext.delta_use_isa(args.isa)):
+        p.error(f"--isa {args.isa}: not available here (native kernels: {delta_isa()})")
 
     base_items, new_items = make_model(args.mb, args.changed, seed=0)
     base, new = MemoryCheckpoint(base_items), MemoryCheckpoint(new_items)
