@@ -8,7 +8,7 @@ sampling at temperature 1 (no top-k/top-p) and every request forced to ``--new-t
 repeats each prompt 8 times, as GRPO does (the engine then prefills each prompt once).
 
 ``--compare-attention`` (bf16) also runs the engine with its PyTorch decode attention
-(``attention_backend="torch"``) next to the native kernel, and times one layer's decode
+(``kernel_backend="torch"``) next to the native kernel, and times one layer's decode
 attention both ways on this model's shape (64 rows, lengths as at mid-generation) in thread
 CPU time, which other processes on a shared machine disturb less than wall time.
 
@@ -103,7 +103,7 @@ def bench_engine(
         model_path=path,
         dtype=dtype,
         max_running_requests=len(prompts),
-        attention_backend=attention,
+        kernel_backend=attention,
     ).build()
     try:
         params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)

@@ -1,5 +1,5 @@
 // The one binding file: miles_rollout._ext, a thin nanobind layer over the decode-attention
-// kernel (decode_attention.h). Tensors arrive as addresses, sizes and strides (elements): the
+// kernel (decode_attention.h) and the RMSNorm kernel (rms_norm.h). Tensors arrive as addresses, sizes and strides (elements): the
 // Python wrapper (miles_rollout._native_attention) owns the tensors and checks dtypes, shapes,
 // strides and bounds; this layer checks the scalars. The kernel runs without the GIL.
 #include <nanobind/nanobind.h>
@@ -10,6 +10,8 @@
 #include <string>
 
 #include "miles_rollout/decode_attention.h"
+#include "miles_rollout/isa.h"
+#include "miles_rollout/rms_norm.h"
 
 namespace nb = nanobind;
 using namespace miles_rollout;
@@ -58,10 +60,35 @@ NB_MODULE(_ext, m) {
       nb::arg("out"),
       "bf16 decode attention over a slot KV cache; see native/rollout/include/miles_rollout/"
       "decode_attention.h for the layout and numerics.");
-  m.def("attention_isa", &attention_isa,
-        "The implementation in use: 'avx512', 'avx2' or 'generic'.");
   m.def(
-      "attention_use_isa", [](const std::string& name) { return attention_use_isa(name.c_str()); },
+      "rms_norm",
+      [](uintptr_t x, int64_t a, int64_t b, int64_t d, int64_t x_stride_a, int64_t x_stride_b,
+         uintptr_t w, int64_t w_stride_b, float eps, uintptr_t out) {
+        if (a < 0 || b < 0)
+          throw std::invalid_argument("miles_rollout._ext.rms_norm: negative extent");
+        if (d < 16 || d % 16 != 0)
+          throw std::invalid_argument(
+              "miles_rollout._ext.rms_norm: d must be a positive multiple of 16");
+        const RmsNorm args{reinterpret_cast<const uint16_t*>(x),
+                           a,
+                           b,
+                           d,
+                           x_stride_a,
+                           x_stride_b,
+                           reinterpret_cast<const uint16_t*>(w),
+                           w_stride_b,
+                           eps,
+                           reinterpret_cast<uint16_t*>(out)};
+        nb::gil_scoped_release release;
+        rms_norm(args);
+      },
+      nb::arg("x"), nb::arg("a"), nb::arg("b"), nb::arg("d"), nb::arg("x_stride_a"),
+      nb::arg("x_stride_b"), nb::arg("w"), nb::arg("w_stride_b"), nb::arg("eps"), nb::arg("out"),
+      "bf16 RMSNorm of x [a, b, d] (strides x_stride_a, x_stride_b, 1) with weight rows w [b, d] "
+      "(w_stride_b 0: one weight) into out [a, b, d] contiguous; see rms_norm.h.");
+  m.def("kernel_isa", &kernel_isa, "The implementation in use: 'avx512', 'avx2' or 'generic'.");
+  m.def(
+      "use_isa", [](const std::string& name) { return use_isa(name.c_str()); },
       nb::arg("name"),
       "Use 'avx512', 'avx2' or 'generic' from now on if this CPU supports it (for tests); "
       "returns False and changes nothing otherwise.");

@@ -15,21 +15,24 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 #include <cmath>
-#include <cstring>
 #include <limits>
-#include <string_view>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define MILES_X86 1
-#define MILES_AVX2 __attribute__((target("avx2,fma")))
-#define MILES_AVX512 __attribute__((target("avx512f,avx2,fma")))
-#endif
-#define MILES_INLINE inline __attribute__((always_inline))
+#include "common.h"
 
 namespace miles_rollout {
 namespace {
+
+using detail::bf16_to_f32;
+using detail::bits_to_f32;
+using detail::f32_to_bf16;
+using detail::Isa;
+using detail::round_bf16;
+#ifdef MILES_X86
+using detail::bf16_bits;
+using detail::load_bf16;
+using detail::round_bf16_v;
+#endif
 
 constexpr int kLanes = 16;
 
@@ -46,25 +49,6 @@ constexpr float kC4 = 1.0f / 24.0f;
 constexpr float kC5 = 1.0f / 120.0f;
 constexpr float kC6 = 1.0f / 720.0f;
 constexpr float kC7 = 1.0f / 5040.0f;
-
-MILES_INLINE float bits_to_f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-MILES_INLINE float bf16_to_f32(uint16_t h) { return bits_to_f32(static_cast<uint32_t>(h) << 16); }
-
-// Round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's rule).
-MILES_INLINE uint16_t f32_to_bf16(float f) {
-  if (f != f) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-MILES_INLINE float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 MILES_INLINE float pow2i(int k) { return bits_to_f32(static_cast<uint32_t>(k + 127) << 23); }
 
@@ -168,25 +152,6 @@ MILES_AVX2 void head_avx2(const Head& h, int64_t group, int64_t d, float scale, 
 }
 
 // ---- AVX-512 ---------------------------------------------------------------------------------
-
-MILES_AVX512 MILES_INLINE __m512 load_bf16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// bf16 bits (round to nearest even, NaN -> 0x7FC0) in the low half of each 32-bit lane.
-MILES_AVX512 MILES_INLINE __m512i bf16_bits(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-}
-
-MILES_AVX512 MILES_INLINE __m512 round_bf16_v(__m512 x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16));
-}
 
 MILES_AVX512 MILES_INLINE __m512 exp_v(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(kExpMin));
@@ -341,19 +306,6 @@ MILES_AVX512 void head_avx512(const Head& h, int64_t group, int64_t d, float sca
 }
 #endif  // MILES_X86
 
-enum class Isa { kGeneric, kAvx2, kAvx512 };
-
-Isa detect() {
-#ifdef MILES_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-#endif
-  return Isa::kGeneric;
-}
-
-Isa g_isa = detect();
-
 }  // namespace
 
 int64_t decode_attention(const DecodeAttention& a) {
@@ -362,8 +314,8 @@ int64_t decode_attention(const DecodeAttention& a) {
   using Fn = void (*)(const Head&, int64_t, int64_t, float, Scratch&);
   Fn fn = head_plain;
 #ifdef MILES_X86
-  if (g_isa == Isa::kAvx512) fn = head_avx512;
-  if (g_isa == Isa::kAvx2) fn = head_avx2;
+  if (detail::active_isa() == Isa::kAvx512) fn = head_avx512;
+  if (detail::active_isa() == Isa::kAvx2) fn = head_avx2;
 #endif
   Scratch& s = scratch();
   const int64_t d = a.head_dim;
@@ -380,29 +332,6 @@ int64_t decode_attention(const DecodeAttention& a) {
     }
   }
   return 0;
-}
-
-const char* attention_isa() {
-  switch (g_isa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "generic";
-  }
-}
-
-bool attention_use_isa(const char* name) {
-  const std::string_view want(name);
-  const Isa best = detect();
-  if (want == "generic") {
-    g_isa = Isa::kGeneric;
-  } else if (want == "avx2" && best != Isa::kGeneric) {
-    g_isa = Isa::kAvx2;
-  } else if (want == "avx512" && best == Isa::kAvx512) {
-    g_isa = Isa::kAvx512;
-  } else {
-    return false;
-  }
-  return true;
 }
 
 }  // namespace miles_rollout

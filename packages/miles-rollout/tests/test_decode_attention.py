@@ -84,14 +84,14 @@ def test_every_isa_variant_gives_the_same_bits(g: int, d: int) -> None:
     ext = _native.ext
     assert ext is not None
     q, k, v, lengths = _inputs(9, 2, g, d, 70, seed=g + d)
-    start = ext.attention_isa()
+    start = ext.kernel_isa()
     outs = {}
     try:
         for isa in ("avx512", "avx2", "generic"):
-            if ext.attention_use_isa(isa):
+            if ext.use_isa(isa):
                 outs[isa] = decode_attention(q, k, v, lengths, d**-0.5, backend="native")
     finally:
-        assert ext.attention_use_isa(start)
+        assert ext.use_isa(start)
     assert "generic" in outs
     first = next(iter(outs.values())).view(torch.int16)
     for isa, out in outs.items():
@@ -158,7 +158,7 @@ def _runner_logits(model_dir: Path, backend: str) -> torch.Tensor:
     from miles_rollout._model import CausalLMRunner
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    runner = CausalLMRunner(hf, max_batch=8, context_length=64, attention_backend=backend)
+    runner = CausalLMRunner(hf, max_batch=8, context_length=64, kernel_backend=backend)
     assert runner.native_attention == (backend == "native")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 100, (m,), generator=gen).tolist() for m in (5, 9, 2, 30)]
@@ -189,14 +189,14 @@ def test_runner_backend_choice(model_dir: Path, monkeypatch: pytest.MonkeyPatch)
     from miles_rollout._model import CausalLMRunner
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    with pytest.raises(ValueError, match="attention_backend"):
-        CausalLMRunner(hf, max_batch=2, context_length=32, attention_backend="fast")
+    with pytest.raises(ValueError, match="kernel_backend"):
+        CausalLMRunner(hf, max_batch=2, context_length=32, kernel_backend="fast")
     auto = CausalLMRunner(hf, max_batch=2, context_length=32)
     assert auto.native_attention == (_native.ext is not None)
     monkeypatch.setattr(_native, "ext", None)
     assert not CausalLMRunner(hf, max_batch=2, context_length=32).native_attention
     with pytest.raises(ValueError, match=r"miles_rollout\._ext"):
-        CausalLMRunner(hf, max_batch=2, context_length=32, attention_backend="native")
+        CausalLMRunner(hf, max_batch=2, context_length=32, kernel_backend="native")
     hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assert not CausalLMRunner(hf32, max_batch=2, context_length=32).native_attention
 

@@ -44,11 +44,4 @@ struct DecodeAttention {
 // written then).
 int64_t decode_attention(const DecodeAttention& args);
 
-// Which implementation the dispatch uses: "avx512", "avx2" or "generic".
-const char* attention_isa();
-
-// Uses `name` ("avx512", "avx2" or "generic") from now on if this CPU supports it (returns
-// false and changes nothing otherwise). For tests. Not thread-safe: call it while no kernel runs.
-bool attention_use_isa(const char* name);
-
 }  // namespace miles_rollout

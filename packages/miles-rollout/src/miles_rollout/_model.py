@@ -21,6 +21,8 @@ from miles_rollout._decode_attention import BACKENDS as _ATTENTION_BACKENDS
 from miles_rollout._decode_attention import decode_attention as _decode_attention
 from miles_rollout._decode_attention import eager_attention as _eager_attention
 from miles_rollout._decode_attention import native_error, native_supported
+from miles_rollout._rms_norm import native_rms_norm, native_rms_norm_is_exact
+from miles_rollout._rms_norm import torch_rms_norm as _rms
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMRunner"]
 
@@ -126,16 +128,6 @@ class _Layer:
         self.down_p = pack(self.down)
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # The bits of transformers' RMSNorm: normalise in float32, cast back, times the weight.
-    # torch's fused rms_norm gives those bits: in float32 with the weight fused, in bf16/fp16
-    # without it (it normalises in float32 and rounds once; the weight product must then be
-    # a separate low-precision multiply, as in transformers). 2-7x fewer passes over x.
-    if x.dtype == torch.float32 and w.dim() == 1:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    return w * F.rms_norm(x, (x.shape[-1],), None, eps)
-
-
 def _eager_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -216,19 +208,20 @@ class CausalLMRunner:
         *,
         max_batch: int,
         context_length: int,
-        attention_backend: str = "auto",
+        kernel_backend: str = "auto",
     ) -> None:
-        """Args: the HF model, cache limits, and the bf16 decode attention's backend.
+        """Args: the HF model, cache limits, and the backend of the bf16 kernels.
 
-        ``attention_backend``: ``"auto"`` (the native kernel of ``miles_rollout._ext`` for
-        bf16 when it is built, else PyTorch), ``"native"`` (required: ``ValueError`` if it
-        cannot run) or ``"torch"`` (always the PyTorch path). float32 always uses SDPA.
+        ``kernel_backend``: ``"auto"`` (the native kernels of ``miles_rollout._ext`` for bf16
+        when they are built, else PyTorch), ``"native"`` (required: ``ValueError`` if they
+        cannot run) or ``"torch"`` (always PyTorch ops). The kernels are the decode attention
+        and RMSNorm; RMSNorm is used only for row sizes where it was checked to give PyTorch's
+        bits. float32 always runs PyTorch ops (SDPA attention).
         """
         check_supported(model.config)
-        if attention_backend not in _ATTENTION_BACKENDS:
+        if kernel_backend not in _ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend must be one of {list(_ATTENTION_BACKENDS)}, "
-                f"got {attention_backend!r}"
+                f"kernel_backend must be one of {list(_ATTENTION_BACKENDS)}, got {kernel_backend!r}"
             )
         cfg = model.config
         self.model = model
@@ -249,13 +242,20 @@ class CausalLMRunner:
         # bf16 decode attention in C++ (native/rollout): the same maths as _eager_attention,
         # equal outputs or 1-ulp differences (see _decode_attention.py), 5-6x faster per layer.
         native_ok = native_supported(self.dtype, self.head_dim)
-        if attention_backend == "native" and not native_ok:
+        if kernel_backend == "native" and not native_ok:
             raise ValueError(
-                "attention_backend='native' needs the miles_rollout._ext kernel, a bfloat16 "
+                "kernel_backend='native' needs the miles_rollout._ext kernels, a bfloat16 "
                 f"model and head_dim % 16 == 0 (got {self.dtype}, head_dim {self.head_dim}; "
-                f"extension: {native_error() or 'loaded'}). Use attention_backend='auto'."
+                f"extension: {native_error() or 'loaded'}). Use kernel_backend='auto'."
             )
-        self.native_attention: bool = native_ok and attention_backend != "torch"
+        self.native_attention: bool = native_ok and kernel_backend != "torch"
+        # RMSNorm in one pass per row instead of ~8 PyTorch ops (19 norms per decode step for
+        # 6 layers), for the row sizes where the kernel gives PyTorch's bits here.
+        self._native_norm_sizes: frozenset[int] = frozenset(
+            size
+            for size, eps in self._norm_shapes(model)
+            if self.native_attention and native_rms_norm_is_exact(size, eps)
+        )
         self._kv_size = self.num_kv_heads * self.head_dim
         with torch.inference_mode():
             dummy = torch.zeros(1, dtype=torch.float32)
@@ -270,6 +270,25 @@ class CausalLMRunner:
         self._batch_cap = 0
         self._token_cap = 0
         self.refresh_weights()
+
+    @staticmethod
+    def _norm_shapes(model: Any) -> list[tuple[int, float]]:
+        inner = model.model
+        shapes = {(int(inner.norm.weight.shape[-1]), float(inner.norm.variance_epsilon))}
+        for layer in inner.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                shapes.add((int(norm.weight.shape[-1]), float(norm.variance_epsilon)))
+            q_norm = getattr(layer.self_attn, "q_norm", None)
+            if q_norm is not None:
+                shapes.add((int(q_norm.weight.shape[-1]), float(q_norm.variance_epsilon)))
+        return sorted(shapes)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.shape[-1] in self._native_norm_sizes:
+            out = native_rms_norm(x, w, eps)
+            if out is not None:
+                return out
+        return _rms(x, w, eps)
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -347,14 +366,14 @@ class CausalLMRunner:
         rows = slice(first_row, first_row + m)
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         for li, layer in enumerate(self._layers):
-            h = _rms(x, layer.in_w, layer.in_eps)
+            h = self._norm(x, layer.in_w, layer.in_eps)
             qkv = F.linear(h, layer.wqkv, layer.bqkv)
             q = qkv[..., : self._q_size].view(m, width, nh, hd)
             k = qkv[..., self._q_size : self._q_size + self._kv_size].view(m, width, nkv, hd)
             v = qkv[..., self._q_size + self._kv_size :].view(m, width, nkv, hd)
             if layer.q_norm is not None and layer.k_norm is not None:
-                q = _rms(q, layer.q_norm, layer.qk_eps)
-                k = _rms(k, layer.k_norm, layer.qk_eps)
+                q = self._norm(q, layer.q_norm, layer.qk_eps)
+                k = self._norm(k, layer.k_norm, layer.qk_eps)
             q = _rope(q.transpose(1, 2), cos, sin)  # [m, H, W, D]
             k = _rope(k.transpose(1, 2), cos, sin)
             v = v.transpose(1, 2)
@@ -395,11 +414,11 @@ class CausalLMRunner:
         flat = (slot * self._token_cap + positions[:, None]).reshape(-1)
         lengths = positions + 1 if self.native_attention else positions
         for li, layer in enumerate(self._layers):
-            h = _rms(x, layer.in_w, layer.in_eps)
+            h = self._norm(x, layer.in_w, layer.in_eps)
             qkv = _dlinear(h, layer.wqkv, layer.wqkv_p, layer.bqkv)
             qk = qkv[:, :qk_size].view(n, nh + nkv, hd)
             if layer.qk_norm is not None:
-                qk = _rms(qk, layer.qk_norm, layer.qk_eps)
+                qk = self._norm(qk, layer.qk_norm, layer.qk_eps)
             qk = _rope(qk, cos, sin)
             kc, vc = self._k[li], self._v[li]
             kc.view(-1, hd).index_copy_(0, flat, qk[:, nh:].reshape(-1, hd))
@@ -419,11 +438,11 @@ class CausalLMRunner:
         return self._logits(x, packed=True)
 
     def _mlp(self, x: torch.Tensor, layer: _Layer, *, packed: bool = False) -> torch.Tensor:
-        h = _rms(x, layer.post_w, layer.post_eps)
+        h = self._norm(x, layer.post_w, layer.post_eps)
         gate_up_p, down_p = (layer.gate_up_p, layer.down_p) if packed else (None, None)
         gate, up = _dlinear(h, layer.gate_up, gate_up_p, layer.gate_up_b).chunk(2, dim=-1)
         return _dlinear(F.silu(gate) * up, layer.down, down_p, layer.down_b)
 
     def _logits(self, x: torch.Tensor, *, packed: bool = False) -> torch.Tensor:
-        x = _rms(x, self._norm_w, self._norm_eps)
+        x = self._norm(x, self._norm_w, self._norm_eps)
         return _dlinear(x, self._lm_head, self._lm_head_p if packed else None, None).float()

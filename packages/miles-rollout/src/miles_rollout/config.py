@@ -36,11 +36,12 @@ class EngineConfig:
             per-op overhead and one thread is as fast as two, and a second OpenMP team would
             spin on the cores the trainer needs next.
         weight_version: the version string reported with the initial weights.
-        attention_backend: bf16 decode attention: ``"auto"`` (the C++ kernel of
-            ``miles_rollout._ext`` when it is built, else PyTorch), ``"native"`` (the kernel,
-            or a ``ValueError`` at build time if it is missing) or ``"torch"`` (PyTorch's
-            eager maths). Both compute transformers' eager bf16 attention; outputs are equal
-            or 1 bf16 ulp apart (see ``_decode_attention.py``). float32 always uses SDPA.
+        kernel_backend: the engine's bf16 kernels (decode attention and RMSNorm): ``"auto"``
+            (the C++ kernels of ``miles_rollout._ext`` when they are built, else PyTorch
+            ops), ``"native"`` (the kernels, or a ``ValueError`` at build time if they are
+            missing) or ``"torch"`` (PyTorch ops only). Both compute transformers' eager bf16
+            maths: RMSNorm bit for bit, attention outputs equal or 1 bf16 ulp apart (see
+            ``_decode_attention.py``). float32 always runs PyTorch ops.
     """
 
     model_path: str
@@ -50,7 +51,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     weight_version: str = "0"
-    attention_backend: str = "auto"
+    kernel_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -67,10 +68,10 @@ class EngineConfig:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if not isinstance(self.weight_version, str):
             raise ValueError(f"weight_version must be a string, got {self.weight_version!r}")
-        if self.attention_backend not in ("auto", "native", "torch"):
+        if self.kernel_backend not in ("auto", "native", "torch"):
             raise ValueError(
-                "attention_backend must be one of ['auto', 'native', 'torch'], got "
-                f"{self.attention_backend!r}"
+                "kernel_backend must be one of ['auto', 'native', 'torch'], got "
+                f"{self.kernel_backend!r}"
             )
 
     @property

@@ -93,7 +93,7 @@ class Engine:
             model,
             max_batch=config.max_running_requests,
             context_length=ctx,
-            attention_backend=config.attention_backend,
+            kernel_backend=config.kernel_backend,
         )
         self.vocab_size = runner.vocab_size
         self._runner = runner
