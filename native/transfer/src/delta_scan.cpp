@@ -23,8 +23,9 @@
 #include <immintrin.h>
 #define MILES_X86 1
 #define MILES_AVX2 __attribute__((target("avx2,bmi,bmi2,popcnt")))
-#define MILES_AVX512 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,bmi,bmi2,popcnt")))
+#define MILES_AVX512                                                                         \
+  __attribute__((                                                                             \
+      target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,avx2,bmi,bmi2,popcnt")))
 #endif
 #define MILES_INLINE inline __attribute__((always_inline))
 
@@ -387,6 +388,65 @@ MILES_AVX512 int64_t scan_avx512(const uint8_t* base, const uint8_t* next, int64
   return k;
 }
 
+// Byte planes of 64-byte blocks with one byte permute: lane j * (64 / W) + e of the permuted
+// block is byte j of element e. Tails go through the portable loops.
+template <int W>
+MILES_AVX512 MILES_INLINE __m512i plane_index() {
+  alignas(64) uint8_t idx[64];
+  for (int j = 0; j < W; ++j)
+    for (int e = 0; e < 64 / W; ++e) idx[j * (64 / W) + e] = static_cast<uint8_t>(e * W + j);
+  return _mm512_load_si512(idx);
+}
+
+template <int W>
+MILES_AVX512 MILES_INLINE __m512i unplane_index() {
+  alignas(64) uint8_t idx[64];
+  for (int j = 0; j < W; ++j)
+    for (int e = 0; e < 64 / W; ++e) idx[e * W + j] = static_cast<uint8_t>(j * (64 / W) + e);
+  return _mm512_load_si512(idx);
+}
+
+template <int W, bool XOR>
+MILES_AVX512 void planes_avx512(const uint8_t* base, const uint8_t* next, int64_t n,
+                                uint8_t* out) {
+  constexpr int64_t E = 64 / W;
+  const __m512i idx = plane_index<W>();
+  int64_t i = 0;
+  for (; i + E <= n; i += E) {
+    __m512i v = _mm512_loadu_si512(next + i * W);
+    if (XOR) v = _mm512_xor_si512(v, _mm512_loadu_si512(base + i * W));
+    alignas(64) uint8_t t[64];
+    _mm512_store_si512(t, _mm512_permutexvar_epi8(idx, v));
+    for (int j = 0; j < W; ++j) std::memcpy(out + j * n + i, t + j * E, E);
+  }
+  for (; i < n; ++i) {
+    uint64_t v = load_elem<W>(next + i * W);
+    if (XOR) v ^= load_elem<W>(base + i * W);
+    for (int j = 0; j < W; ++j) out[j * n + i] = static_cast<uint8_t>(v >> (8 * j));
+  }
+}
+
+template <int W, bool XOR>
+MILES_AVX512 void unplanes_range_avx512(uint8_t* target, int64_t n, const uint8_t* raw,
+                                        int64_t i0, int64_t i1) {
+  constexpr int64_t E = 64 / W;
+  const __m512i idx = unplane_index<W>();
+  int64_t i = i0;
+  for (; i + E <= i1; i += E) {
+    alignas(64) uint8_t t[64];
+    for (int j = 0; j < W; ++j) std::memcpy(t + j * E, raw + j * n + i, E);
+    __m512i v = _mm512_permutexvar_epi8(idx, _mm512_load_si512(t));
+    if (XOR) v = _mm512_xor_si512(v, _mm512_loadu_si512(target + i * W));
+    _mm512_storeu_si512(target + i * W, v);
+  }
+  unplanes_range<W, XOR>(target, n, raw, i, i1);
+}
+
+template <int W, bool XOR>
+MILES_AVX512 void unplanes_avx512(uint8_t* target, int64_t n, const uint8_t* raw) {
+  unplanes_range_avx512<W, XOR>(target, n, raw, 0, n);
+}
+
 struct MaskAvx2 {
   MILES_AVX2 MILES_INLINE uint64_t operator()(const uint8_t* a, const uint8_t* b) const {
   const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
@@ -453,8 +513,8 @@ Isa detect() {
 #ifdef MILES_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2") &&
-      __builtin_cpu_supports("bmi2"))
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
+      __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("bmi2"))
     return Isa::kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2")) return Isa::kAvx2;
 #endif
@@ -465,7 +525,7 @@ const Isa kBest = detect();
 Isa g_isa = kBest;  // set once at load; delta_use_isa may lower it (tests)
 
 // Every kernel, per width and value kind, compiled once per instruction set.
-#define MILES_KERNELS(NS, ATTR, SCAN)                                                           \
+#define MILES_KERNELS(NS, ATTR, SCAN, PLANES, UNPLANES, UNPLANES_RANGE)                         \
   namespace NS {                                                                                \
   template <int W, bool XOR>                                                                    \
   struct Ops {                                                                                  \
@@ -477,10 +537,10 @@ Isa g_isa = kBest;  // set once at load; delta_use_isa may lower it (tests)
       pack_sparse<W>(p, v, k, out);                                                             \
     }                                                                                           \
     ATTR static void planes(const uint8_t* b, const uint8_t* x, int64_t n, uint8_t* out) {      \
-      miles_transfer::planes<W, XOR>(b, x, n, out);                                             \
+      PLANES<W, XOR>(b, x, n, out);                                                             \
     }                                                                                           \
     ATTR static void unplanes(uint8_t* t, int64_t n, const uint8_t* raw) {                      \
-      miles_transfer::unplanes<W, XOR>(t, n, raw);                                              \
+      UNPLANES<W, XOR>(t, n, raw);                                                              \
     }                                                                                           \
     ATTR static void scatter(uint8_t* t, const int32_t* g, const uint8_t* v, int64_t k) {       \
       miles_transfer::scatter<W, XOR>(t, g, v, k);                                              \
@@ -491,7 +551,7 @@ Isa g_isa = kBest;  // set once at load; delta_use_isa may lower it (tests)
     }                                                                                           \
     ATTR static void unplanes_range(uint8_t* t, int64_t n, const uint8_t* raw, int64_t i0,      \
                                     int64_t i1) {                                               \
-      miles_transfer::unplanes_range<W, XOR>(t, n, raw, i0, i1);                                \
+      UNPLANES_RANGE<W, XOR>(t, n, raw, i0, i1);                                                \
     }                                                                                           \
   };                                                                                            \
   ATTR int64_t gaps(const uint8_t* raw, int64_t k, int32_t* out) {                              \
@@ -499,14 +559,17 @@ Isa g_isa = kBest;  // set once at load; delta_use_isa may lower it (tests)
   }                                                                                             \
   }
 
-MILES_KERNELS(generic, , (scan_bits_generic<W, XOR>(b, x, n, p, v, cap, h, hb, ho)))
+MILES_KERNELS(generic, , (scan_bits_generic<W, XOR>(b, x, n, p, v, cap, h, hb, ho)),
+              miles_transfer::planes, miles_transfer::unplanes, miles_transfer::unplanes_range)
 #ifdef MILES_X86
-MILES_KERNELS(avx2, MILES_AVX2, (scan_bits_avx2<W, XOR>(b, x, n, p, v, cap, h, hb, ho)))
+MILES_KERNELS(avx2, MILES_AVX2, (scan_bits_avx2<W, XOR>(b, x, n, p, v, cap, h, hb, ho)),
+              miles_transfer::planes, miles_transfer::unplanes, miles_transfer::unplanes_range)
 MILES_KERNELS(avx512, MILES_AVX512,
               (h ? (hb ? scan_avx512<W, XOR, true, true>(b, x, n, p, v, cap, h, hb, ho)
                        : scan_avx512<W, XOR, true, false>(b, x, n, p, v, cap, h, hb, ho))
                  : (hb ? scan_avx512<W, XOR, false, true>(b, x, n, p, v, cap, h, hb, ho)
-                       : scan_avx512<W, XOR, false, false>(b, x, n, p, v, cap, h, hb, ho))))
+                       : scan_avx512<W, XOR, false, false>(b, x, n, p, v, cap, h, hb, ho))),
+              planes_avx512, unplanes_avx512, unplanes_range_avx512)
 #endif
 #undef MILES_KERNELS
 
