@@ -1,13 +1,14 @@
 // Disk-delta kernels (see include/miles_transfer/delta_scan.h).
 //
-// delta_scan reads base and next once, 64 bytes at a time. AVX-512 (with VBMI2): one compare
-// gives the mask of changed elements, and compress instructions write their positions and values
-// without a branch per block or per element (at an RL step's ~2% change rate half the blocks
-// of bf16 hold a change, so branches would mispredict constantly). AVX2 and portable code: a
-// byte-inequality mask folded to one bit per element, and a loop over its set bits. The other
-// kernels are loops over the k changed elements or over byte planes, written so the compiler
-// vectorizes them; each is compiled once per instruction set (always_inline bodies called from
-// functions with a target attribute).
+// delta_scan reads base and next once, 64 bytes at a time, and feeds the same bytes to the
+// XXH3 checksums. AVX-512 (with VBMI and VBMI2): one compare gives the mask of changed
+// elements, and compress instructions write their positions and values without a branch per
+// block or per element (at an RL step's ~2% change rate half the blocks of bf16 hold a change,
+// so branches would mispredict constantly); dense chunks' byte planes take one byte permute
+// per 64 bytes. AVX2 and portable code: a byte-inequality mask folded to one bit per element,
+// and a loop over its set bits. The other kernels are loops over the k changed elements or
+// over byte planes, written so the compiler vectorizes them; each is compiled once per
+// instruction set (always_inline bodies called from functions with a target attribute).
 #include "miles_transfer/delta_scan.h"
 
 // GCC 12 reports the deliberately undefined operand inside its own AVX-512 intrinsics
