@@ -1,12 +1,14 @@
 """Disk-delta chunk kernels in native code: one compare-and-compact pass, and its inverse.
 
 The PyTorch path of ``_delta_codec`` finds changed elements with several kernels (compare,
-``nonzero``, gathers, shuffles), each reading memory again. The C++ kernels in
-``native/transfer/src/delta_scan.cpp`` (``miles_transfer._ext``; AVX-512BW or AVX2 chosen at
-run time, portable code elsewhere) read the base and the new chunk once and write the sparse
-patch's positions and values straight into scratch memory, then lay them out as byte planes; the
-apply side checks the gaps and scatters the values in place. The bytes are exactly those of the
-PyTorch path (the file format does not change; tests compare them bit for bit).
+``nonzero``, gathers, shuffles), each reading memory again, and hashes every tensor in another
+pass. The C++ kernels in ``native/transfer/src/delta_scan.cpp`` (``miles_transfer._ext``;
+AVX-512, AVX2 or portable code, chosen at run time) read the base and the new chunk once,
+write the sparse patch's positions and values straight into scratch memory and feed the same
+bytes to the xxh3-128 checksums (``StripeHash``); a second small pass lays the patch out as
+byte planes. Apply copies, patches and hashes each chunk in one pass. The bytes and digests
+are exactly those of the PyTorch path and ``xxhash`` (the file format does not change; tests
+compare them bit for bit).
 
 Scratch memory is one buffer per thread, reused across chunks: a fresh allocation per chunk
 would pay first-touch page faults (about 0.7 GB/s here) on every call.
