@@ -7,10 +7,11 @@ sampling at temperature 1 (no top-k/top-p) and every request forced to ``--new-t
 (EOS ignored), so both sides produce exactly the same number of tokens. ``--group-size 8``
 repeats each prompt 8 times, as GRPO does (the engine then prefills each prompt once).
 
-``--compare-attention`` (bf16) also runs the engine with its PyTorch decode attention
-(``kernel_backend="torch"``) next to the native kernel, and times one layer's decode
-attention both ways on this model's shape (64 rows, lengths as at mid-generation) in thread
-CPU time, which other processes on a shared machine disturb less than wall time.
+``--compare-attention`` (bf16) also runs the engine on PyTorch ops only
+(``kernel_backend="torch"``) next to its native kernels (miles_rollout._ext: decode attention
+and RMSNorm), and times one layer's decode attention and one RMSNorm of the hidden rows both
+ways on this model's shape (64 rows, lengths as at mid-generation) in thread CPU time, which
+other processes on a shared machine disturb less than wall time.
 
 Laptop:   python tools/bench/engine_throughput.py                # ~1 min on 2 cores
           python tools/bench/engine_throughput.py --threads 1 --repeat 3
@@ -119,8 +120,10 @@ def bench_engine(
 
 
 def bench_attention(args: argparse.Namespace, repeat: int) -> dict[str, list[float]]:
-    """Thread-CPU microseconds of one layer's bf16 decode attention, per backend (interleaved)."""
+    """Thread-CPU microseconds of one layer's bf16 decode attention and of one RMSNorm of the
+    hidden rows, per backend (interleaved)."""
     from miles_rollout._decode_attention import decode_attention
+    from miles_rollout._rms_norm import native_rms_norm, torch_rms_norm
 
     gen = torch.Generator().manual_seed(0)
     n, kv, hd = args.requests, args.kv_heads, args.hidden // args.heads
@@ -137,14 +140,22 @@ def bench_attention(args: argparse.Namespace, repeat: int) -> dict[str, list[flo
     lengths = torch.randint(lo, hi + 1, (n,), generator=gen)
     scale = hd**-0.5
     calls = 200
-    out: dict[str, list[float]] = {"torch": [], "native": []}
+    x = torch.randn(n, args.hidden, generator=gen).bfloat16()
+    w = torch.randn(args.hidden, generator=gen).bfloat16()
+    norms = {"norm torch": torch_rms_norm, "norm native": native_rms_norm}
+    out: dict[str, list[float]] = {"torch": [], "native": [], **{name: [] for name in norms}}
     for _ in range(repeat):
-        for backend in out:
+        for backend in ("torch", "native"):
             decode_attention(q, k, v, lengths, scale, backend=backend)
             start = time.thread_time()
             for _ in range(calls):
                 decode_attention(q, k, v, lengths, scale, backend=backend)
             out[backend].append((time.thread_time() - start) / calls * 1e6)
+        for name, norm in norms.items():
+            start = time.thread_time()
+            for _ in range(calls):
+                norm(x, w, 1e-6)
+            out[name].append((time.thread_time() - start) / calls * 1e6)
     return out
 
 
@@ -212,14 +223,19 @@ def main() -> None:
         if eng_torch:
             t_best, t_med = min(eng_torch), statistics.median(eng_torch)
             print(
-                f"engine, torch attention: best {tokens / t_best:7.0f} tok/s, median "
-                f"{tokens / t_med:7.0f} tok/s (native: {t_med / e_med:.2f}x median)"
+                f"engine, PyTorch ops only: best {tokens / t_best:7.0f} tok/s, median "
+                f"{tokens / t_med:7.0f} tok/s (native kernels: {t_med / e_med:.2f}x median)"
             )
             per_layer = bench_attention(args, args.repeat)
             nat, tor = min(per_layer["native"]), min(per_layer["torch"])
             print(
                 f"decode attention, one layer ({args.requests} rows, thread CPU time, best of "
                 f"{args.repeat}): native {nat:.0f} us, torch {tor:.0f} us ({tor / nat:.1f}x)"
+            )
+            nat, tor = min(per_layer["norm native"]), min(per_layer["norm torch"])
+            print(
+                f"RMSNorm [{args.requests}, {args.hidden}] (thread CPU time, best of "
+                f"{args.repeat}): native {nat:.1f} us, torch {tor:.1f} us ({tor / nat:.1f}x)"
             )
 
 
