@@ -239,7 +239,76 @@ static inline void prefetch_lines(const void* p, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
 }
 
-// FP8 tiles (tile_rows x tile_cols; 1x128, 128x128, per channel) of tile rows [t0, t1).
+// FP8 tiles taller than one row (128x128) of tile rows [t0, t1), one band of rows (a tile row,
+// or a column chunk of it that fits in L2: at most kBandBytes of input) at a time, in two
+// passes. The amax pass reads the band, which is (nearly) contiguous memory, as kStreams row
+// groups in turn, a tile of each at a time, with prefetches kPrefetchAhead bytes ahead: several
+// long streams keep more lines in flight than the column-strided walk of a tile. The cast pass
+// then reads the band again, from L2, row by row. 8192x7168 bf16, one thread: 0.36 ns per
+// element against 0.44 for chunks of 4 tiles with the amax of the next one interleaved.
+template <DType D, class F>
+static void fp8_bands_v(const Fp8Args& a, int64_t t0, int64_t t1) {
+  using T = typename In<D>::T;
+  constexpr int64_t kSize = static_cast<int64_t>(sizeof(T)), kBandBytes = int64_t{2} << 20;
+  constexpr int64_t kStreams = 4, kMaxTiles = 64;
+  const auto* x = static_cast<const T*>(a.x);
+  const int64_t R = a.rows, C = a.cols, tr = a.tile_rows, tc = a.tile_cols;
+  const int64_t nr = (R + tr - 1) / tr, nc = (C + tc - 1) / tc;
+  // Tiles per band: a multiple of 16 (the scale batch), at least 16, at most kMaxTiles.
+  int64_t cw = kBandBytes / (tr * tc * kSize) / 16 * 16;
+  cw = cw < 16 ? 16 : (cw > kMaxTiles ? kMaxTiles : cw);
+  __m512i acc[kMaxTiles];
+  alignas(64) float s[kMaxTiles];
+  uint16_t poisoned[kMaxTiles / 16];
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t b = t / nr, i = t % nr;
+    const int64_t r0 = b * R + i * tr, r1 = b * R + lo(R, (i + 1) * tr), rows = r1 - r0;
+    const int64_t per = (rows + kStreams - 1) / kStreams;  // rows per stream
+    for (int64_t j0 = 0; j0 < nc; j0 += cw) {
+      const int64_t nb = lo(cw, nc - j0);
+      for (int64_t k = 0; k < nb; ++k) acc[k] = _mm512_setzero_si512();
+      for (int64_t ri = 0; ri < per; ++ri) {
+        for (int64_t k = 0; k < nb; ++k) {
+          const int64_t c0 = (j0 + k) * tc, n = lo(C, c0 + tc) - c0;
+          for (int64_t g = 0; g < kStreams; ++g) {
+            const int64_t r = r0 + g * per + ri;
+            if (r >= r1) break;
+            const T* p = x + r * C + c0;
+            prefetch_lines(reinterpret_cast<const char*>(p) + simd::kPrefetchAhead, 0, n * kSize);
+            acc[k] = simd::acc_abs<D>(p, n, acc[k]);
+          }
+        }
+      }
+      for (int64_t k0 = 0; k0 < nb; k0 += 16) {
+        const int64_t m16 = lo(16, nb - k0);
+        __m512i m[16];
+        for (int64_t k = 0; k < 16; ++k) m[k] = k < m16 ? simd::amax_lanes<D>(acc[k0 + k]) : _mm512_setzero_si512();
+        const __m512i amax = simd::reduce16(m);
+        const simd::Mask bad = _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits));
+        __m512 sv = _mm512_max_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(kAmaxMin));
+        sv = _mm512_div_ps(sv, _mm512_set1_ps(F::kMax));
+        sv = _mm512_mask_mov_ps(sv, bad, _mm512_castsi512_ps(simd::u32(kF32QuietNan)));
+        _mm512_mask_storeu_ps(a.scales + t * nc + j0 + k0, simd::tail_mask(m16), sv);
+        _mm512_storeu_ps(s + k0, sv);
+        poisoned[k0 / 16] = bad;
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t k = 0; k < nb; ++k) {
+          const int64_t c0 = (j0 + k) * tc, n = lo(C, c0 + tc) - c0;
+          const T* p = x + r * C + c0;
+          prefetch_lines(reinterpret_cast<const char*>(p) + simd::kPrefetchAhead, 0, n * kSize);
+          if ((poisoned[k / 16] >> (k % 16)) & 1)
+            std::memset(a.out + r * C + c0, F::kNanCode, static_cast<size_t>(n));
+          else
+            fp8_run_v<D, F>(p, n, s[k], a.out + r * C + c0);
+        }
+      }
+    }
+  }
+}
+
+// FP8 tiles one row tall (1x128, per channel) of tile rows [t0, t1); taller ones go to
+// fp8_bands_v.
 //
 // The work is a sequence of chunks of up to kW tiles of one tile row. A chunk's tiles need
 // their amax over all their rows before any element is cast, so every input is read twice:
@@ -250,6 +319,10 @@ static inline void prefetch_lines(const void* p, int64_t b0, int64_t b1) {
 // (fp8_scale in contract.h) for a chunk's tiles at once, from one transposing reduction.
 template <DType D, class F>
 static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
+  if (a.tile_rows > 1) {
+    fp8_bands_v<D, F>(a, t0, t1);
+    return;
+  }
   constexpr int64_t kW = 4, kAhead = 4;
   using T = typename In<D>::T;
   constexpr int64_t kSize = static_cast<int64_t>(sizeof(T));
