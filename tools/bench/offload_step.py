@@ -8,8 +8,8 @@ Why: NVMe offload trades optimizer-state memory for disk traffic. This script me
   arithmetic on ordinary tensors);
 - the I/O bound of an NVMe step: bytes read / fio read GB/s + bytes written / fio write GB/s,
   with fio running sequential O_DIRECT io_uring jobs of one bucket file's size, block size and
-  queue depth on the same disk, measured in the same run; the efficiency is bound / step time
-  (target >= 0.8);
+  queue depth on the same disk (overwriting a laid-out file, buffers on huge pages like the
+  optimizer's), measured in the same run; the efficiency is bound / step time (target >= 0.8);
 - peak resident optimizer memory: the pager's own accounting (bucket buffers in use at once)
   and the process's peak RSS growth over the parameters and gradients (each mode runs in a
   fresh subprocess, buffers pre-faulted).
@@ -112,7 +112,11 @@ def fio_gbps(path: str, rw: str, size: int, args: argparse.Namespace) -> float:
         f"--iodepth={args.depth}", "--direct=1", "--ioengine=io_uring", "--fixedbufs",
         f"--rw={rw}", "--output-format=json",
     ]  # fmt: skip
-    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    # fio mallocs its buffers; this glibc tunable puts them on transparent huge pages, the
+    # memory the optimizer's bucket buffers use (see tools/bench/offload_pager.py).
+    env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    out = json.loads(proc.stdout)
     return out["jobs"][0][rw]["bw_bytes"] / 1e9
 
 
@@ -148,6 +152,9 @@ def main() -> None:
             res[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
             if mode == "nvme":
                 size = res[mode]["bucket_bytes"]
+                # Lay the file out first: the runs below overwrite it, as every step overwrites
+                # the bucket files (a first write into a new file also allocates its blocks).
+                fio_gbps(fio_file, "write", size, args)
                 for _ in range(3):
                     w = fio_gbps(fio_file, "write", size, args)
                     fio_runs.append((w, fio_gbps(fio_file, "read", size, args)))
