@@ -4,12 +4,15 @@
 // inside namespace miles_quant::cpu::avx512. Every vector step is the lane-wise twin of a scalar
 // step of the contract: element encoding is the round-to-nearest-even of bits.h/elements.h on
 // 32-bit lanes (integer for normal targets, one exact fp32 addition for subnormal ones, see
-// encode), divisions and multiplications are single IEEE fp32 operations (vdivps / vmulps,
+// encode; E2M1 in the quantizers by one fp32 addition onto its grid, see e2m1_magnitude),
+// divisions and multiplications are single IEEE fp32 operations (vdivps / vmulps,
 // exact like their scalar forms; no FMA, no reciprocal estimate), and scales follow contract.h
 // operation for operation, for 16 groups at a time: their amaxes come out of one transposing
 // reduction (reduce16), and whole batches of 16 blocks take unmasked paths. Tails run through
 // masked loads (zero lanes never change an amax and encode to the pad code) and masked stores,
-// so no byte outside a row is touched. The tests compare this path with the AVX2 and generic
+// so no byte outside a row is touched. Large inputs are streamed with software prefetches and
+// in two to four interleaved streams (see kPrefetchAhead): that changes the order in which
+// groups are visited, never their arithmetic. The tests compare this path with the AVX2 and generic
 // builds of the scalar code and with the PyTorch reference bit for bit.
 #pragma once
 
