@@ -106,6 +106,29 @@ def test_update_weights_from_tensor_then_checksums_match(
         assert v2.generate(PROMPTS[0], greedy).output_ids == out.output_ids
 
 
+def test_update_in_buckets_rebuilds_the_fused_weights_once(
+    fresh_engine: Engine, model_dir_v2: Path
+) -> None:
+    runner = fresh_engine._runner
+    rebuilds: list[int] = []
+    original = runner.refresh_weights
+
+    def counting() -> None:
+        rebuilds.append(1)
+        original()
+
+    runner.refresh_weights = counting  # type: ignore[method-assign]
+    items = list(load_file(str(model_dir_v2 / "model.safetensors")).items())
+    for i in range(3):  # three buckets, as push_module_weights sends them
+        fresh_engine.update_weights_from_tensor(items[i::3], weight_version="b")
+    assert rebuilds == []
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    out = fresh_engine.generate(PROMPTS[0], greedy)
+    assert rebuilds == [1]
+    with EngineConfig(model_path=str(model_dir_v2)).build() as v2:
+        assert v2.generate(PROMPTS[0], greedy).output_ids == out.output_ids
+
+
 def test_tied_embedding_accepts_either_name(fresh_engine: Engine) -> None:
     emb = torch.randn(128, 64)
     fresh_engine.update_weights_from_tensor([("lm_head.weight", emb)])

@@ -20,7 +20,13 @@ import torch
 
 from miles_rollout import _native
 
-__all__ = ["decode_attention", "eager_attention", "native_error", "native_supported"]
+__all__ = [
+    "decode_attention",
+    "eager_attention",
+    "native_decode_attention",
+    "native_error",
+    "native_supported",
+]
 
 BACKENDS = ("auto", "native", "torch")
 
@@ -92,7 +98,7 @@ def decode_attention(
         )
     if backend == "torch" or not native:
         return _torch_decode_attention(q, k_cache, v_cache, lengths, scale)
-    return _native_decode_attention(q, k_cache, v_cache, lengths, scale)
+    return native_decode_attention(q, k_cache, v_cache, lengths, scale)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -130,9 +136,12 @@ def _torch_decode_attention(
     return eager_attention(q, k[:n, :, :width], v[:n, :, :width], scale, hidden)
 
 
-def _native_decode_attention(
+def native_decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float
 ) -> torch.Tensor:
+    """The kernel itself, without :func:`decode_attention`'s operand checks (the engine's hot
+    path, whose operands are its own). The extension must be loaded; lengths are still checked
+    by the kernel (``ValueError``)."""
     ext = _native.ext
     assert ext is not None
     n, nkv, g, d = q.shape

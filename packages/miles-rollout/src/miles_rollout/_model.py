@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from miles_rollout._decode_attention import BACKENDS as _ATTENTION_BACKENDS
-from miles_rollout._decode_attention import decode_attention as _decode_attention
 from miles_rollout._decode_attention import eager_attention as _eager_attention
+from miles_rollout._decode_attention import native_decode_attention as _native_attention
 from miles_rollout._decode_attention import native_error, native_supported
 from miles_rollout._rms_norm import native_rms_norm, native_rms_norm_is_exact
 from miles_rollout._rms_norm import torch_rms_norm as _rms
@@ -292,8 +292,17 @@ class CausalLMRunner:
 
     # ---- weights ---------------------------------------------------------------------------
 
+    def mark_weights_changed(self) -> None:
+        """Note that the HF parameters changed; the next forward rebuilds from them.
+
+        A weight update arrives in several buckets; rebuilding (fusing and packing every
+        weight) once before the next forward instead of after every bucket.
+        """
+        self._stale = True
+
     def refresh_weights(self) -> None:
         """Rebuild the fused projections from the HF module (after any weight update)."""
+        self._stale = False
         with torch.inference_mode():
             inner = self.model.model
             self._embed: torch.Tensor = inner.embed_tokens.weight
@@ -353,6 +362,8 @@ class CausalLMRunner:
         attends to a pad position, so no padding mask is needed; the cache keeps the pad
         positions as garbage past each row's length.
         """
+        if self._stale:
+            self.refresh_weights()
         m = len(prompts)
         lens = [len(p) for p in prompts]
         width = max(lens)
@@ -399,6 +410,8 @@ class CausalLMRunner:
             positions: ``[n]`` where that token goes (the row's current length).
             max_len: ``max(positions) + 1`` (passed in to avoid a tensor-to-Python sync).
         """
+        if self._stale:
+            self.refresh_weights()
         n = tokens.shape[0]
         self.ensure_capacity(n, max_len)
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
@@ -406,13 +419,15 @@ class CausalLMRunner:
         x = F.embedding(tokens, self._embed)  # [n, hidden]
         cos = self._cos[positions][:, None, :]  # [n, 1, D]
         sin = self._sin[positions][:, None, :]
-        mask = (torch.arange(max_len)[None, :] <= positions[:, None])[:, None, None, :]
-        hidden_BKQT = ~mask  # [n, 1, 1, T]: cache positions past each row's length
+        if self.native_attention:
+            lengths = positions + 1  # the kernel reads each row's live positions only
+        else:
+            mask = (torch.arange(max_len)[None, :] <= positions[:, None])[:, None, None, :]
+            hidden_BKQT = ~mask  # [n, 1, 1, T]: cache positions past each row's length
         # Flat row index of (request, kv head, position) in a [B * KV * T, D] view of the cache:
         # one index_copy_ per layer writes the new keys (and values) of every request.
         slot = torch.arange(n)[:, None] * nkv + torch.arange(nkv)[None, :]
         flat = (slot * self._token_cap + positions[:, None]).reshape(-1)
-        lengths = positions + 1 if self.native_attention else positions
         for li, layer in enumerate(self._layers):
             h = self._norm(x, layer.in_w, layer.in_eps)
             qkv = _dlinear(h, layer.wqkv, layer.wqkv_p, layer.bqkv)
@@ -426,13 +441,15 @@ class CausalLMRunner:
             # Grouped-query attention without copies: the G query heads that share a kv head
             # act as G query positions against it (no causal mask among them).
             q = qk[:, :nh].reshape(n, nkv, nh // nkv, hd)
-            k, v = kc[:n, :, :max_len], vc[:n, :, :max_len]
             if self.native_attention:
-                o = _decode_attention(q, kc, vc, lengths, self.scale, backend="native")
-            elif self._eager_attention:
-                o = _eager_attention(q, k, v, self.scale, hidden_BKQT)
+                # Operands are the runner's own (checked once when the extension was chosen).
+                o = _native_attention(q, kc, vc, lengths, self.scale)
             else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+                k, v = kc[:n, :, :max_len], vc[:n, :, :max_len]
+                if self._eager_attention:
+                    o = _eager_attention(q, k, v, self.scale, hidden_BKQT)
+                else:
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             x = x + _dlinear(o.reshape(n, self._q_size), layer.o, layer.o_p, layer.bo)
             x = x + self._mlp(x, layer, packed=True)
         return self._logits(x, packed=True)

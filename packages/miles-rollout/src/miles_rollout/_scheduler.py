@@ -90,18 +90,16 @@ class Scheduler:
         self._inbox_lock = threading.Lock()
         self._sampler: BatchSampler | None = None
         self._thread = threading.Thread(target=self._main, name="miles-engine", daemon=True)
-        if num_threads is None:
-            self._thread.start()
-        else:
-            # torch.set_num_threads sets the calling thread's OpenMP team size (thread-local)
-            # and also process-wide defaults (the value new threads start from, MKL's count).
-            # The engine thread sets its own size first; the caller then puts the process-wide
-            # values back, so the rest of the process (a trainer in the same process) keeps
-            # its threads while the engine decodes on ``num_threads``.
-            before = torch.get_num_threads()
-            self._threads_set = threading.Event()
-            self._thread.start()
-            self._threads_set.wait()
+        # torch.set_num_threads sets the calling thread's OpenMP team size (thread-local) and
+        # also process-wide defaults (the value new threads start from, MKL's count). The
+        # engine thread sets its own size first; the caller then puts the process-wide values
+        # back, so the rest of the process (a trainer in the same process) keeps its threads
+        # while the engine decodes on ``num_threads``.
+        before = torch.get_num_threads()
+        self._threads_set = threading.Event()
+        self._thread.start()
+        self._threads_set.wait()
+        if num_threads is not None:
             torch.set_num_threads(before)
 
     # ---- API for other threads ---------------------------------------------------------------
@@ -192,7 +190,7 @@ class Scheduler:
             # would re-initialise it from the value the caller puts back.
             torch.get_num_threads()
             torch.set_num_threads(self._num_threads)
-            self._threads_set.set()
+        self._threads_set.set()
         with torch.inference_mode():
             while not self._stopping:
                 try:

@@ -293,7 +293,7 @@ class Engine:
             pairs = prepare_update(self._params, items, self.dtype)
             for dst, src in pairs:
                 dst.copy_(src)
-            self._runner.refresh_weights()
+            self._runner.mark_weights_changed()
             if weight_version is not None:
                 self._weight_version = weight_version
             if flush_cache:
