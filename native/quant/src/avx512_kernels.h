@@ -168,6 +168,21 @@ static inline void store_nibbles16(uint8_t* out, __m512i codes) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(pairs));
 }
 
+// 32 bf16 inputs widened to fp32 as two vectors, exactly: lane i of `even` is element 2i and
+// lane i of `odd` element 2i + 1 (a bf16 is the high half of its fp32). Two instructions for 32
+// inputs instead of four, and the codes pack back lane by lane (store_nibble_pairs) with
+// element 2i in the low nibble, as the packed layouts want.
+static inline void load_bf16_pairs(const void* p, __m512* even, __m512* odd) {
+  const __m512i v = _mm512_loadu_si512(p);
+  *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  *odd = _mm512_castsi512_ps(_mm512_and_si512(v, u32(0xFFFF0000u)));
+}
+
+// 32 four-bit codes (lane i of lo: element 2i, of hi: element 2i + 1) to 16 bytes.
+static inline void store_nibble_pairs(uint8_t* out, __m512i lo, __m512i hi) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4))));
+}
+
 // Lane k of v in every lane.
 static inline __m512 lane(__m512 v, int k) { return _mm512_permutexvar_ps(_mm512_set1_epi32(k), v); }
 
@@ -232,7 +247,19 @@ static void fp8_flat_v(const Fp8Args& a, int64_t begin, int64_t n, uint32_t amax
     std::memset(a.out + begin, F::kNanCode, static_cast<size_t>(n));
     return;
   }
-  fp8_run_v<D, F>(x, n, fp8_scale<F>(bits_f32(amax)), a.out + begin);
+  // The tensor-level scale is known only after a whole amax pass, so this pass streams its
+  // input from memory again: cast 256 bytes at a time with the lines kPrefetchAhead bytes
+  // ahead requested, as the amax pass does.
+  using T = typename In<D>::T;
+  constexpr int64_t kStep = 256 / static_cast<int64_t>(sizeof(T));
+  const float s = fp8_scale<F>(bits_f32(amax));
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    const char* ahead = reinterpret_cast<const char*>(x + i) + simd::kPrefetchAhead;
+    for (int64_t k = 0; k < 256; k += 64) _mm_prefetch(ahead + k, _MM_HINT_T0);
+    fp8_run_v<D, F>(x + i, kStep, s, a.out + begin + i);
+  }
+  fp8_run_v<D, F>(x + i, n - i, s, a.out + begin + i);
 }
 
 // Software prefetch of lines [b0, b1) of p into L1. On the project's VMs the hardware
@@ -446,6 +473,8 @@ static inline __m512 e8m0_inverses(__m512i code) {
 template <DType D, class F>
 static inline void mx_batch512(const typename In<D>::T* x, ScaleRule rule, uint8_t* scales, uint8_t* out) {
   constexpr bool kPacked = F::kEbits + F::kMbits == 3;
+  const char* ahead = reinterpret_cast<const char*>(x) + simd::kPrefetchAhead;
+  for (int64_t b = 0; b < 512 * static_cast<int64_t>(sizeof(*x)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
   __m512i m[16];
   for (int k = 0; k < 16; ++k) {
     if constexpr (D == DType::f32) {
@@ -749,14 +778,13 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
 // ---- INT4 -----------------------------------------------------------------------------------
 
 // Offset-binary INT4 codes of 16 lanes against the stored scale s (int4_code in contract.h):
-// clamp(x / s, -8, 8) (finite: the group is not poisoned), RNE to an integer (vcvtps2dq under
-// round-to-nearest, which our threads select), clamp to [-7, 7], + 8.
+// RNE(clamp(x / s, -8, 8)) clamped to [-7, 7], + 8. RNE is monotone and +-7 are integers, so
+// that equals RNE(clamp(x / s, -7, 7)) (x / s is finite or +-Inf: the group is not poisoned),
+// one clamp instead of two. RNE is vcvtps2dq under round-to-nearest, which our threads select.
 static inline __m512i int4_codes(__m512 v, __m512 s) {
   __m512 y = _mm512_div_ps(v, s);
-  y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-8.0f)), _mm512_set1_ps(8.0f));
-  __m512i q = _mm512_cvtps_epi32(y);
-  q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-7)), _mm512_set1_epi32(7));
-  return _mm512_add_epi32(q, _mm512_set1_epi32(8));
+  y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-7.0f)), _mm512_set1_ps(7.0f));
+  return _mm512_add_epi32(_mm512_cvtps_epi32(y), _mm512_set1_epi32(8));
 }
 
 // The stored INT4 scales of 16 groups (store_scale in cpu_kernels.h, lane-wise): writes the
@@ -801,6 +829,8 @@ static void int4_rows_v(const Int4Args& a, int64_t r0, int64_t r1) {
       for (int64_t k = 0; k < 16; ++k) m[k] = _mm512_setzero_si512();
       for (int64_t k = 0; k < nb; ++k) {
         const int64_t j = (j0 + k) * g;
+        const char* ahead = reinterpret_cast<const char*>(x + j) + simd::kPrefetchAhead;
+        for (int64_t b = 0; b < g * static_cast<int64_t>(sizeof(*x)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
         m[k] = simd::amax_lanes<D>(simd::acc_abs<D>(x + j, lo(g, C - j), _mm512_setzero_si512()));
       }
       const __m512i amax = simd::reduce16(m);
@@ -811,7 +841,19 @@ static void int4_rows_v(const Int4Args& a, int64_t r0, int64_t r1) {
         const int64_t j = (j0 + k) * g, n = lo(g, C - j);
         const bool bad = (poisoned >> k) & 1;
         const __m512 s = simd::lane(sv, static_cast<int>(k));
-        for (int64_t i = 0; i < n; i += 16) {
+        int64_t i0 = 0;
+        if constexpr (D == DType::bf16) {
+          for (; i0 + 32 <= n; i0 += 32) {
+            if (bad) {
+              std::memset(out + (j + i0) / 2, 0x88, 16);
+              continue;
+            }
+            __m512 ev, od;
+            simd::load_bf16_pairs(x + j + i0, &ev, &od);
+            simd::store_nibble_pairs(out + (j + i0) / 2, int4_codes(ev, s), int4_codes(od, s));
+          }
+        }
+        for (int64_t i = i0; i < n; i += 16) {
           const simd::Mask mk = simd::tail_mask(n - i);
           // Lanes past the row are 0 / s = 0 -> code 8, the pad nibble; poisoned groups write 8s.
           const __m512i c = bad ? simd::u32(8) : int4_codes(simd::load<D>(x + j + i, mk), s);
