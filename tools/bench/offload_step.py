@@ -7,14 +7,16 @@ Why: NVMe offload trades optimizer-state memory for disk traffic. This script me
   ``offload="cpu"`` (all state in RAM) and with ``torch.optim.AdamW(foreach=False)`` (the same
   arithmetic on ordinary tensors);
 - the I/O bound of an NVMe step: bytes read / fio read GB/s + bytes written / fio write GB/s,
-  with fio running sequential O_DIRECT io_uring jobs of one bucket file's size, block size and
-  queue depth on the same disk (overwriting a laid-out file, buffers on huge pages like the
-  optimizer's), measured in the same run; the efficiency is bound / step time (target >= 0.8);
+  with fio running sequential O_DIRECT io_uring jobs that move a step's bytes with the
+  pager's block size and queue depth on the same disk (overwriting a laid-out file, buffers
+  on huge pages like the optimizer's); the efficiency is bound / step time (target >= 0.8).
+  A VM's disk changes speed from minute to minute, so the script runs rounds of (nvme steps,
+  then fio right after) and reports each round's efficiency and their median;
 - peak resident optimizer memory: the pager's own accounting (bucket buffers in use at once)
   and the process's peak RSS growth over the parameters and gradients (each mode runs in a
   fresh subprocess, buffers pre-faulted).
 
-Laptop:   python tools/bench/offload_step.py                 # ~1 min: 90M params, 1.08 GB state
+Laptop:   python tools/bench/offload_step.py                 # ~1.5 min: 90M params, 1.08 GB state
           python tools/bench/offload_step.py --params-m 40 --bucket-mb 32 --steps 2
 Cluster:  python tools/bench/offload_step.py --dir /local_nvme/tmp --params-m 500
 """
@@ -160,7 +162,9 @@ def main() -> None:
         rounds = []
         for _ in range(args.rounds):
             nv = run("nvme")
-            size = nv["bucket_bytes"]
+            # fio moves as many bytes per job as a step reads (and writes): a sustained rate,
+            # like the step's, not a burst of one bucket file (64 MiB is ~30 ms of I/O here).
+            size = -(-int(nv["read_per_step"]) // 2**20) * 2**20
             # Lay the file out first: the runs below overwrite it, as every step overwrites
             # the bucket files (a first write into a new file also allocates its blocks).
             if not os.path.exists(fio_file):
