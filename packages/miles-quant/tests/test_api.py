@@ -3,6 +3,7 @@ the extension is missing, and that importing the package touches no CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -103,6 +104,16 @@ def test_non_contiguous_and_grad_inputs_are_accepted_and_not_modified() -> None:
         ({"x": torch.randn(4, 32), "format": "int4_g32", "backend": "cuda"}, "backend must be"),
         ({"x": torch.randn(32), "format": "fp8_e4m3", "stacked": True}, "leading expert dim"),
         ({"x": [1.0, 2.0], "format": "fp8_e4m3"}, "expected a torch.Tensor"),
+        ({"x": torch.randn(4, 32), "format": "nvfp4", "threads": 0}, "threads must be a positive"),
+        ({"x": torch.randn(4, 32), "format": "nvfp4", "threads": -2}, "threads must be a positive"),
+        (
+            {"x": torch.randn(4, 32), "format": "mxfp4", "threads": 1.5},
+            "threads must be a positive",
+        ),
+        (
+            {"x": torch.randn(4, 32), "format": "mxfp4", "threads": True},
+            "threads must be a positive",
+        ),
     ],
 )
 def test_bad_input_raises_a_clear_value_error(kwargs: dict, message: str) -> None:
@@ -121,6 +132,39 @@ def test_dequantize_rejects_other_dtypes() -> None:
     q = mq.quantize(torch.randn(4, 32), "mxfp4")
     with pytest.raises(ValueError, match="dtype must be"):
         mq.dequantize(q, torch.float64)
+
+
+def test_dequantize_rejects_what_is_not_a_quantized_tensor() -> None:
+    q = mq.quantize(torch.randn(4, 32), "nvfp4")
+    with pytest.raises(ValueError, match="expected a QuantizedTensor"):
+        mq.dequantize(q.data)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown format 'fp4'"):
+        mq.dequantize(dataclasses.replace(q, format="fp4"))
+    with pytest.raises(ValueError, match="needs its global_scale"):
+        mq.dequantize(dataclasses.replace(q, global_scale=None))
+
+
+@pytest.mark.parametrize("fmt", sorted(mq.FORMATS))
+@pytest.mark.parametrize("shape", [(0,), (0, 64), (5, 0), (3, 0, 64)])
+def test_empty_tensors_have_the_scales_of_an_all_zero_tensor(
+    fmt: str, shape: tuple[int, ...]
+) -> None:
+    # docs/contract.md section 1: a tensor-level scale of an empty tensor is that of an
+    # all-zero group; block scales of an empty tensor are empty.
+    if fmt == "fp8_block128" and len(shape) < 2:
+        pytest.skip("fp8_block128 needs [..., N, K]")
+    empty = mq.quantize(torch.empty(shape), fmt)
+    zero = mq.quantize(torch.zeros(1, 256), fmt)
+    assert empty.shape == shape
+    assert mq.dequantize(empty, torch.bfloat16).shape == shape
+    if fmt.startswith("fp8_e"):  # "tensor" granularity: one scale
+        assert same_bits(empty.scales, zero.scales)
+    else:
+        assert empty.scales.numel() == 0
+    if fmt == "nvfp4":
+        assert empty.global_scale is not None
+        assert zero.global_scale is not None
+        assert same_bits(empty.global_scale, zero.global_scale)
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:

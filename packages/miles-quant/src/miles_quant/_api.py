@@ -94,7 +94,7 @@ def _check_input(x: torch.Tensor, fmt: Format, granularity: str, stacked: bool) 
     if x.dtype not in INPUT_DTYPES:
         raise ValueError(
             f"quantize: unsupported dtype {x.dtype}; {fmt.name} takes float32, bfloat16 or "
-            "float16 (cast float64 to float32 first: the contract starts from fp32 values)"
+            "float16 (cast to float32 first, x.float(): the contract starts from fp32 values)"
         )
     if x.dim() < 1:
         raise ValueError("quantize: expected a tensor with at least one dimension, got a scalar")
@@ -216,8 +216,8 @@ def quantize(
             with MILES_QUANT_CUDA=ON), "torch" (the reference; any device) or "auto" (native
             where it can run, else torch, with a one-time warning when the CPU extension is
             missing). All give the same bits.
-        threads: CPU threads for the native backend (default torch.get_num_threads()). CUDA
-            work is enqueued on the current stream.
+        threads: CPU threads for the native backend, at least 1 (default
+            torch.get_num_threads()). CUDA work is enqueued on the current stream.
         out: a QuantizedTensor from an earlier call with the same arguments and an input of
             the same shape and dtype: its buffers (data, scales, global_scale) are overwritten
             in place instead of allocating new ones (the native kernels write into them
@@ -227,8 +227,8 @@ def quantize(
         A QuantizedTensor (with out=: one that shares out's buffers).
 
     Raises:
-        ValueError: unknown format, granularity or scale rule; unsupported dtype or shape; an
-            `out` that does not match this call (nothing is written then).
+        ValueError: unknown format, granularity or scale rule; unsupported dtype or shape;
+            threads < 1; an `out` that does not match this call (nothing is written then).
         RuntimeError: backend="native" without the extension.
     """
     if format not in FORMATS:
@@ -250,6 +250,13 @@ def quantize(
         raise ValueError(f"quantize: scale_dtype applies to int4 formats only, not {format}")
     if backend not in _BACKENDS:
         raise ValueError(f"quantize: backend must be one of {_BACKENDS}, got {backend!r}")
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ValueError(
+            f"quantize: threads must be a positive int (or None for torch.get_num_threads()), "
+            f"got {threads!r}"
+        )
     _check_input(x, fmt, gran, stacked)
     sd = x.dtype if scale_dtype is None else scale_dtype
     if fmt.family == "int4" and sd not in INPUT_DTYPES:
@@ -370,10 +377,25 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
 
     Returns:
         A tensor of q.shape and `dtype` on q.data's device.
+
+    Raises:
+        ValueError: `q` is not a QuantizedTensor of a known format (an NVFP4 one without its
+            global_scale included), or `dtype` is not float32 / bfloat16 / float16.
     """
+    if not isinstance(q, QuantizedTensor):
+        raise ValueError(
+            f"dequantize: expected a QuantizedTensor (from miles_quant.quantize), got "
+            f"{type(q).__name__}"
+        )
+    if q.format not in FORMATS:
+        raise ValueError(
+            f"dequantize: unknown format {q.format!r}; choose one of {sorted(FORMATS)}"
+        )
     if dtype not in _OUT_DTYPES:
         raise ValueError(f"dequantize: dtype must be float32, bfloat16 or float16, got {dtype}")
     fmt = FORMATS[q.format]
+    if fmt.family == "nvfp4" and q.global_scale is None:
+        raise ValueError("dequantize: an nvfp4 QuantizedTensor needs its global_scale (fp32)")
     shape = q.shape
     k = shape[-1]
     if fmt.family == "fp8":
@@ -396,7 +418,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         s = _bits.e8m0_value(q.scales.view(torch.uint8))
         out = v * _expand_last(s, 32, k)
     elif fmt.family == "nvfp4":
-        assert q.global_scale is not None
+        assert q.global_scale is not None  # checked above
         v = _bits.decode(unpack_nibbles(q.data, k), E2M1)
         g = q.global_scale.reshape(
             *q.global_scale.shape, *([1] * (len(shape) - q.global_scale.dim()))
