@@ -79,6 +79,11 @@ def test_dequantize_round_trip(src: Path, tmp_path: Path) -> None:
         (["{src}", "{src}/..", "-f", "nvfp4"], "exists; pass overwrite=True"),
         (["{src}", "{src}", "-f", "nvfp4", "--overwrite"], "must differ from the source"),
         (["{src}", "{out}", "-f", "nvfp4", "--scale-rule", "even"], "mxfp4 only"),
+        (["{src}", "{out}", "-f", "nvfp4", "--dtype", "float16"], "pass --dequantize too"),
+        (["{src}", "{out}", "-f", "nvfp4", "--dequantize"], "drop -f/--format"),
+        (["{src}", "{out}", "-f", "nvfp4", "--calib-out", "{out}.json"], "pass --calib-data"),
+        (["{src}", "{out}", "-f", "nvfp4", "--input-amax", "{src}/config.json"], "numbers"),
+        (["{src}", "{out}", "-f", "nvfp4", "--input-amax", "{src}/chat_template.jinja"], "JSON"),
     ],
 )
 def test_errors_exit_2(
@@ -90,10 +95,23 @@ def test_errors_exit_2(
     assert not (tmp_path / "out").exists()
 
 
-def test_unknown_format_is_a_usage_error(src: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["-f", "int8"], "invalid choice"),
+        (["-f", "nvfp4", "--threads", "0"], "expected a positive integer, got 0"),
+        (["-f", "nvfp4", "--threads", "-2"], "expected a positive integer, got -2"),
+        (["-f", "nvfp4", "--threads", "two"], "expected a positive integer, got 'two'"),
+    ],
+)
+def test_usage_errors_exit_2(
+    flags: list[str], message: str, src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as e:
-        main([str(src), str(tmp_path / "o"), "-f", "int8"])
+        main([str(src), str(tmp_path / "o"), *flags])
     assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("how", ["module", "tool"])

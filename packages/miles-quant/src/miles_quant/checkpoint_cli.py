@@ -33,6 +33,16 @@ def _size(text: str) -> int:
     return int(t)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
     p = argparse.ArgumentParser(
@@ -103,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing dst")
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=_positive_int, help="CPU threads, >= 1 (default: torch's)")
     p.add_argument(
         "--dequantize",
         action="store_true",
@@ -139,11 +149,20 @@ def _progress(enabled: bool, total: int) -> tuple[Callable[[int, int, str], None
 def _input_amax(args: argparse.Namespace) -> dict[str, float] | None:
     """The activation amax per module: from --input-amax, or measured with --calib-data."""
     if args.input_amax is not None:
-        amax = json.loads(args.input_amax.read_text())
+        try:
+            amax = json.loads(args.input_amax.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{args.input_amax}: not valid JSON ({e}); expected an object {{module: amax}} "
+                "as --calib-out writes it"
+            ) from None
         if not isinstance(amax, dict) or not all(
-            isinstance(v, (int, float)) for v in amax.values()
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in amax.values()
         ):
-            raise ValueError(f"{args.input_amax}: expected a JSON object {{module: amax}}")
+            raise ValueError(
+                f"{args.input_amax}: expected a JSON object {{module: amax}} with numbers as "
+                "values (as --calib-out writes it)"
+            )
         return {str(k): float(v) for k, v in amax.items()}
     if args.calib_data is None:
         return None
@@ -164,6 +183,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     show = not args.no_progress
+    if args.dequantize and args.format is not None:
+        raise ValueError("--dequantize reads the format from src; drop -f/--format")
+    if args.dtype is not None and not args.dequantize:
+        raise ValueError("--dtype sets the --dequantize output dtype; pass --dequantize too")
+    if args.calib_out is not None and args.calib_data is None:
+        raise ValueError("--calib-out saves what --calib-data measures; pass --calib-data too")
     if args.dequantize:
         dtype = _DTYPES[args.dtype] if args.dtype else None
         update, bar = _progress(show, -1)
