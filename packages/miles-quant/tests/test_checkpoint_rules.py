@@ -127,6 +127,17 @@ def test_bad_options(dense: Path, tmp_path: Path) -> None:
         export_checkpoint(dense, tmp_path / "o", "nvfp4", scale_rule="rceil")
     with pytest.raises(ValueError, match="keep all or none"):
         plan_export(dense, "nvfp4", keep_bf16=["*.k_proj"])
+    # Keys with the parameter's '.weight' suffix match no module: every input_scale would
+    # silently be 1.0.
+    amax = {"model.layers.1.self_attn.q_proj.weight": 3.0}
+    with pytest.raises(ValueError, match="names no quantized module"):
+        export_checkpoint(dense, tmp_path / "o", "nvfp4", input_amax=amax)
+    assert not (tmp_path / "o").exists()
+    plan = export_checkpoint(
+        dense, tmp_path / "o", "nvfp4", input_amax={"model.layers.1.self_attn.q_proj": 26.88}
+    )
+    assert plan.input_scales["model.layers.1.self_attn.k_proj"] == pytest.approx(0.01)
+    assert plan.input_scales["model.layers.1.mlp.up_proj"] == 1.0
 
 
 def test_existing_output_and_already_quantized(dense: Path, tmp_path: Path) -> None:

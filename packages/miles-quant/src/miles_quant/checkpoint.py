@@ -246,6 +246,20 @@ def _input_scale(amax: float | Mapping[str, float] | None, params: list[str]) ->
     return float(input_scale(value, "nvfp4"))
 
 
+def _check_amax_names(amax: Mapping[str, float], plan: ExportPlan) -> None:
+    """Refuses an ``input_amax`` none of whose names is a quantized module: every module
+    would silently get input_scale 1.0 (typically keys with a ``.weight`` suffix)."""
+    params = [out for name in plan.quantized for out in plan.split.get(name, [name])]
+    modules = set(modules_of(params))
+    if not modules or any(k in modules for k in amax):
+        return
+    raise ValueError(
+        f"input_amax names no quantized module of this checkpoint (e.g. {next(iter(amax))!r}); "
+        f"keys are module names such as {sorted(modules)[0]!r} (no '.weight' suffix), as "
+        "Calibration.amax has them"
+    )
+
+
 def export_checkpoint(
     src_dir: str | os.PathLike[str],
     dst_dir: str | os.PathLike[str],
@@ -286,7 +300,8 @@ def export_checkpoint(
             calibration (`miles_quant.calibrate`: ``Calibration.amax``); input_scale =
             fp32(amax) / 2688 in fp32, the max over a fused group. Modules without a value
             get 1.0 (block scales then cover activation block amax from 6 * 2^-9 to 2688);
-            ``ExportPlan.input_scales`` says what each module got.
+            ``ExportPlan.input_scales`` says what each module got. A mapping none of whose
+            names is a quantized module is refused.
         max_shard_bytes: largest output shard.
         overwrite: replace an existing ``dst_dir``.
         backend: quantize backend ("auto", "native", "torch"); all give the same bits.
@@ -297,7 +312,8 @@ def export_checkpoint(
 
     Raises:
         ValueError: unknown format, a shape the layout cannot take, bad patterns, an already
-            quantized source, a partially kept NVFP4 fusion group.
+            quantized source, a partially kept NVFP4 fusion group, an ``input_amax`` that
+            names no quantized module or holds a value that is not finite and > 0.
         FileNotFoundError: missing directory, config.json or weights.
         FileExistsError: ``dst_dir`` exists and ``overwrite`` is False.
     """
@@ -313,6 +329,8 @@ def export_checkpoint(
         keep_last_layers=keep_last_layers,
         only=only,
     )
+    if isinstance(input_amax, Mapping) and input_amax:
+        _check_amax_names(input_amax, plan)
     src, dst = Path(src_dir), Path(dst_dir)
     check_destination(dst, src, overwrite)
     cfg = _read_config(src)
