@@ -177,3 +177,52 @@ def test_bad_options_raise_clear_errors(tmp_path: Path) -> None:
         opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
     with pytest.raises(ValueError, match="param groups of sizes"):
         opt.load_state_dict({"state": {}, "param_groups": []})
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_empty_parameters_step_like_torch(offload: str, tmp_path: Path) -> None:
+    # An FSDP2 rank can hold empty shards (fewer rows than ranks). torch still counts their
+    # steps and keeps (empty) moments; so must the offloaded state, also across a resume.
+    shapes = [(0, 7), (5,), (0,)]
+    ref_params = make_params(shapes)
+    ref = torch.optim.AdamW(ref_params, **HYPER, foreach=False)
+    params = make_params(shapes)
+    opt = _opt(params, offload, tmp_path)
+    run(ref_params, ref, range(4))
+    run(params, opt, range(4))
+    assert_same_params(params, [p.detach() for p in ref_params])
+    assert_same_state(opt.state_dict(), ref.state_dict())
+    only_empty = [torch.zeros(0, 3, requires_grad=True)]  # a rank with nothing to update
+    alone = _opt(only_empty, offload, tmp_path, sub="alone")
+    only_empty[0].grad = torch.zeros(0, 3)
+    alone.step()
+    assert float(alone.state_dict()["state"][0]["step"]) == 1
+    if offload == "nvme":
+        opt.close()
+        again = _opt(make_params(shapes), offload, tmp_path, resume=True)
+        assert_same_state(again.state_dict(), ref.state_dict())
+
+
+def test_resume_with_other_moment_dtype_is_refused(tmp_path: Path) -> None:
+    # One small bucket: the same file size with fp32 or bf16 moments (both round up to a page).
+    params = [torch.randn(100, requires_grad=True)]
+    opt = _opt(params, "nvme", tmp_path)
+    params[0].grad = torch.ones(100)
+    opt.step()
+    opt.close()
+    with pytest.raises(ValueError, match="another bucket layout"):
+        _opt(params, "nvme", tmp_path, resume=True, moment_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_incomplete_state_dict_loads_nothing(offload: str, tmp_path: Path) -> None:
+    params = make_params()
+    opt = _opt(params, offload, tmp_path)
+    run(params, opt, range(2))
+    before, before_p = opt.state_dict(), [p.detach().clone() for p in params]
+    bad = opt.state_dict()
+    del bad["state"][4]["exp_avg_sq"]
+    with pytest.raises(ValueError, match=r"entry 4 has no \['exp_avg_sq'\].*nothing was loaded"):
+        opt.load_state_dict(bad)
+    assert_same_state(opt.state_dict(), before)
+    assert_same_params(params, before_p)

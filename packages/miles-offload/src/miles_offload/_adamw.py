@@ -424,7 +424,9 @@ class AdamW(Optimizer):
         whole (with "nvme": written to the free slots, then the manifest is replaced).
 
         Raises:
-            ValueError: the groups or shapes do not match this optimizer's parameters.
+            ValueError: the groups or shapes do not match this optimizer's parameters, or an
+                entry lacks ``step``, ``exp_avg`` or ``exp_avg_sq`` (checked before anything
+                is loaded).
         """
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
@@ -456,8 +458,13 @@ class AdamW(Optimizer):
                         f"parameter's local shape is {self._shapes[i]}"
                     )
                 local[name] = v
-            if "step" not in entry:
-                raise ValueError(f"state_dict entry {key!r} has no 'step'")
+            missing = [n for n in ("step", "exp_avg", "exp_avg_sq") if n not in entry]
+            if missing:
+                raise ValueError(
+                    f"state_dict entry {key!r} has no {missing}: AdamW state needs 'step', "
+                    "'exp_avg' and 'exp_avg_sq' per parameter (torch.optim.AdamW's format); "
+                    "nothing was loaded"
+                )
             local["step"] = torch.as_tensor(entry["step"], dtype=torch.float32).detach().cpu()
             entries[i] = local
 

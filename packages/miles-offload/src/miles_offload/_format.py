@@ -39,9 +39,20 @@ _SLACK = 512
 class CorruptStateError(RuntimeError):
     """Offloaded optimizer state failed an integrity check (truncated, corrupted or stale).
 
-    The message names the file and the check. The state on disk cannot be trusted: restore the
-    optimizer from a checkpoint (``load_state_dict``) or start it fresh.
+    The message names the file and the check, and ends with what to do: the state on disk
+    cannot be trusted, so restore the optimizer from a checkpoint (``load_state_dict``) or start
+    it fresh.
     """
+
+    def __init__(self, message: str) -> None:
+        # Idempotent, so that an unpickled error (args = the full message) is unchanged.
+        super().__init__(message if message.endswith(REMEDY) else f"{message}. {REMEDY}")
+
+
+REMEDY = (
+    "The offloaded optimizer state cannot be trusted: restore it from a checkpoint with "
+    "load_state_dict(), or start fresh with resume=False"
+)
 
 
 def header_bytes(segment_desc: list[dict]) -> int:
@@ -103,8 +114,9 @@ def decode_header(
     """Parse and check the header in ``buf``; return its JSON record.
 
     Checks the magic, version, sizes, the JSON checksum, that the recorded layout is
-    ``desc``, and (with ``verify_payload``) the payload checksum: ``payload_crc`` when the
-    caller has it (the pager computes it while reading), else computed here.
+    ``desc`` with this bucket's moment dtype, and (with ``verify_payload``) the payload
+    checksum: ``payload_crc`` when the caller has it (the pager computes it while reading),
+    else computed here.
 
     Raises:
         CorruptStateError: any check failed; the message names ``where`` and the check.
@@ -137,6 +149,13 @@ def decode_header(
             f"{where}: the file describes another bucket layout than this optimizer's "
             "(different parameters or bucket size); resume through state_dict() / "
             "load_state_dict() instead"
+        )
+    moment_dtype = str(bucket.moment_dtype).removeprefix("torch.")
+    if meta["moment_dtype"] != moment_dtype:
+        raise CorruptStateError(
+            f"{where}: moments stored as {meta['moment_dtype']}, this optimizer uses "
+            f"{moment_dtype}; build it with moment_dtype={meta['moment_dtype']!r}, or move the "
+            "state across through state_dict() / load_state_dict()"
         )
     if meta["payload_bytes"] != bucket.payload_bytes:
         raise CorruptStateError(f"{where}: payload size {meta['payload_bytes']} is unexpected")

@@ -1,11 +1,12 @@
 """How parameters map onto buckets, and where each piece lives inside a bucket buffer.
 
-The parameters (local shards for DTensors), flattened in param-group order, are cut into
-buckets of at most ``bucket_elems`` elements; a parameter larger than a bucket is split across
-several. A bucket buffer is ``[header | master fp32 | exp_avg | exp_avg_sq]``: the header holds
-the file header (`_format`), every section starts at a multiple of 4096 bytes, and every
-segment inside a section at a multiple of 16 elements (64-byte aligned for the vector units).
-The same layout serves the in-RAM buckets (the header area then stays unused) and the files.
+The parameters (local shards for DTensors), flattened in param-group order, are cut into buckets
+of at most ``bucket_elems`` elements; a parameter larger than a bucket is split across several,
+and an empty one (zero elements) gets a zero-length segment. A bucket buffer is ``[header |
+master fp32 | exp_avg | exp_avg_sq]``: the header holds the file header (`_format`), every
+section starts at a multiple of 4096 bytes, and every segment inside a section at a multiple of
+16 elements (64-byte aligned for the vector units). The same layout serves the in-RAM buckets
+(the header area then stays unused) and the files.
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ def partition(
     pieces: list[list[tuple[int, int, int]]] = [[]]
     used = 0
     for p, n in enumerate(numels):
+        if n == 0:
+            # An empty parameter (an FSDP2 rank's empty shard) still takes steps: a zero-length
+            # segment keeps it in a bucket, so its step is stored in that bucket's header.
+            pieces[-1].append((p, 0, 0))
+            continue
         start = 0
         while start < n:
             room = bucket_elems - used
@@ -124,6 +130,7 @@ def partition(
 
 
 def layout_digest(buckets: list[Bucket], shapes: list[tuple[int, ...]], dtypes: list) -> str:
-    """A short digest of the whole layout (stored in the manifest; resume checks it)."""
-    desc = [[b.nbytes, b.describe(shapes, dtypes)] for b in buckets]
+    """A short digest of the whole layout, moment dtype included (stored in the manifest;
+    resume checks it)."""
+    desc = [[b.nbytes, str(b.moment_dtype), b.describe(shapes, dtypes)] for b in buckets]
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:32]
