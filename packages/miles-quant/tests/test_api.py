@@ -238,6 +238,15 @@ def test_layout_examples() -> None:
         mq.pack_int4(torch.tensor([8]))
     with pytest.raises(ValueError, match="cannot hold"):
         mq.unpack_fp4(torch.zeros(3, dtype=torch.uint8), 7)
+    # A code that does not fit a nibble is refused, not masked to its low 4 bits.
+    with pytest.raises(ValueError, match="\\[0, 15\\]"):
+        mq.pack_fp4(torch.tensor([1, 16], dtype=torch.uint8))
+    with pytest.raises(ValueError, match="must be uint8"):
+        mq.pack_fp4(torch.tensor([1.0, 0.5]))
+    with pytest.raises(ValueError, match=">= 0"):
+        mq.swizzle_offsets(-1, 4)
+    with pytest.raises(ValueError, match="1-byte scales"):
+        mq.unswizzle_scales(torch.zeros(128, 4), 5, 4)
     # Swizzle offsets of a 128x4 tile: (r % 32) * 16 + (r // 32) * 4 + c; tiles row-major.
     off = mq.swizzle_offsets(256, 8)
     assert off[0, 0] == 0

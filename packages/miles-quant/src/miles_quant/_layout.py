@@ -49,7 +49,19 @@ def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """Packs E2M1 codes (uint8 [..., K], 0..15) into bytes [..., ceil(K/2)], element 0 in the low
-    nibble (torchao, HF gpt-oss, ModelOpt); an odd K is padded with the code of +0."""
+    nibble (torchao, HF gpt-oss, ModelOpt); an odd K is padded with the code of +0.
+
+    Raises:
+        ValueError: codes that are not uint8, or a code above 15 (it does not fit a nibble).
+    """
+    _check_last_dim(codes, "pack_fp4")
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"pack_fp4: codes must be uint8 E2M1 codes 0..15, got {codes.dtype}")
+    if codes.numel() and int(codes.max()) > 15:
+        raise ValueError(
+            f"pack_fp4: E2M1 codes must lie in [0, 15] (sign bit 8, magnitude 0..7), got "
+            f"{int(codes.max())}; pass codes, not values (quantize(x, 'mxfp4') makes them)"
+        )
     return pack_nibbles(codes, pad=0)
 
 
@@ -90,6 +102,8 @@ def swizzle_offsets(rows: int, cols: int) -> torch.Tensor:
     The matrix is padded to [R, C] = swizzled_shape(rows, cols) and cut into 128x4 tiles stored
     row-tile-major; inside a tile, (r, c) sits at (r % 32) * 16 + (r // 32) * 4 + c.
     """
+    if rows < 0 or cols < 0:
+        raise ValueError(f"swizzle_offsets: rows and cols must be >= 0, got {rows} and {cols}")
     _, cp = swizzled_shape(rows, cols)
     r = torch.arange(rows, dtype=torch.int64).unsqueeze(1)
     c = torch.arange(cols, dtype=torch.int64).unsqueeze(0)
@@ -129,6 +143,8 @@ def unswizzle_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tens
     """Inverse of swizzle_scales: [..., R, C] swizzled -> [..., rows, cols]."""
     if swizzled.dim() < 2:
         raise ValueError("unswizzle_scales: expected [..., R, C]")
+    if swizzled.element_size() != 1:
+        raise ValueError(f"unswizzle_scales: expected 1-byte scales, got {swizzled.dtype}")
     rp, cp = swizzled_shape(rows, cols)
     if tuple(swizzled.shape[-2:]) != (rp, cp):
         raise ValueError(
