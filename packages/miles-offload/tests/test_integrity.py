@@ -160,3 +160,41 @@ def test_process_killed_mid_step_resumes_from_the_previous_step(tmp_path: Path) 
     run(params, opt, range(3, 5))
     assert_same_params(params, want_p)
     assert_same_state(opt.state_dict(), want_sd)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("payload", "payload checksum mismatch"),
+        ("truncate", "truncated"),
+        ("missing", "missing bucket file"),
+        ("manifest", "unreadable manifest"),
+        ("version", "format version 2"),
+    ],
+)
+def test_damaged_state_is_detected_on_resume(tmp_path: Path, damage: str, message: str) -> None:
+    # A fresh process reopening the directory (resume=True) reads and verifies every bucket:
+    # damage anywhere is reported with the file's name and what to do.
+    params = make_params()
+    opt = _nvme(params, tmp_path)
+    run(params, opt, range(2))
+    opt.close()
+    victim = _committed_file(tmp_path, 5)
+    if damage == "payload":
+        _flip(victim, os.path.getsize(victim) - 100)
+    elif damage == "truncate":
+        os.truncate(victim, 4096)
+    elif damage == "missing":
+        victim.unlink()
+    elif damage == "manifest":
+        victim = tmp_path / "manifest.json"
+        victim.write_text(victim.read_text()[:-7])  # a torn write
+    else:  # the header of a newer format
+        with open(victim, "r+b") as f:
+            f.seek(8)
+            f.write((2).to_bytes(4, "little"))
+    fresh = [torch.zeros_like(p).requires_grad_() for p in params]
+    with pytest.raises(mo.CorruptStateError, match=message) as info:
+        _nvme(fresh, tmp_path, resume=True)
+    assert str(victim) in str(info.value)
+    assert "restore it from a checkpoint with load_state_dict()" in str(info.value)
