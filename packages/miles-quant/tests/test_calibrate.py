@@ -253,6 +253,8 @@ def test_errors() -> None:
         collect_input_amax(net, [])
     with pytest.raises(ValueError, match="bad regular expression"):
         collect_input_amax(net, [torch.ones(1, 4)], modules=["re:("])
+    with pytest.raises(ValueError, match="skip takes a list of patterns"):
+        collect_input_amax(net, [torch.ones(1, 4)], skip="lm_head")
     for amax in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="finite and > 0"):
             input_scale(amax)

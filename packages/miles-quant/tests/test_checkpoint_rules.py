@@ -127,6 +127,15 @@ def test_bad_options(dense: Path, tmp_path: Path) -> None:
         export_checkpoint(dense, tmp_path / "o", "nvfp4", scale_rule="rceil")
     with pytest.raises(ValueError, match="keep all or none"):
         plan_export(dense, "nvfp4", keep_bf16=["*.k_proj"])
+    # A bare string would be iterated character by character ("*" keeps everything).
+    with pytest.raises(ValueError, match="keep_bf16 takes a list of patterns"):
+        plan_export(dense, "nvfp4", keep_bf16="*.self_attn.*")
+    with pytest.raises(ValueError, match="only takes a list of patterns"):
+        plan_export(dense, "int4_g32", only="*.mlp.*")
+    # only= patterns that match no tensor are a mistake (a typo), not an empty export.
+    with pytest.raises(ValueError, match="matches no tensor"):
+        export_checkpoint(dense, tmp_path / "o", "nvfp4", only=["*.nothing.*", "lm_hed"])
+    assert not (tmp_path / "o").exists()
     # Keys with the parameter's '.weight' suffix match no module: every input_scale would
     # silently be 1.0.
     amax = {"model.layers.1.self_attn.q_proj.weight": 3.0}

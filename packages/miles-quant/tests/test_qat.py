@@ -143,6 +143,9 @@ def test_errors() -> None:
         apply_int4_qat(torch.nn.Sequential(torch.nn.Linear(96, 8)), patterns=["0"])
     with pytest.raises(ValueError, match="bad regular expression"):
         apply_int4_qat(m, patterns=["re:["])
+    # A bare string is not iterated character by character (its "*" would select everything).
+    with pytest.raises(ValueError, match="got the string"):
+        apply_int4_qat(m, patterns="*.experts.*")
 
 
 def test_forward_error_restores_parameters() -> None:

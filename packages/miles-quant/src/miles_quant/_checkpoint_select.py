@@ -51,6 +51,15 @@ def _check_pattern(p: str) -> None:
             raise ValueError(f"bad regular expression in pattern {p!r}: {e}") from e
 
 
+def check_pattern_list(value: object, what: str) -> None:
+    """Refuses a bare string where a list of patterns is expected: iterating it would make
+    every character a pattern (and ``"*"`` selects everything)."""
+    if isinstance(value, str):
+        raise ValueError(
+            f"{what} takes a list of patterns, got the string {value!r}; pass [{value!r}]"
+        )
+
+
 def matches(name: str, pattern: str) -> bool:
     """Whether ``pattern`` (a glob, or ``re:`` + a regex) selects the tensor ``name``."""
     if pattern.startswith("re:"):

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from miles_quant._calibrate_experts import ExpertSpy, eager_experts, fused_expert_slices
-from miles_quant._checkpoint_select import _check_pattern, matches
+from miles_quant._checkpoint_select import _check_pattern, check_pattern_list, matches
 
 __all__ = [
     "INPUT_SCALE_DIVISORS",
@@ -107,6 +107,8 @@ def input_scale(amax: float | torch.Tensor, fmt: str = "nvfp4") -> torch.Tensor:
 
 
 def _selector(modules: Sequence[str] | None, skip: Sequence[str]) -> Callable[[str], bool]:
+    check_pattern_list(modules, "modules")
+    check_pattern_list(skip, "skip")
     for p in (*(modules or ()), *skip):
         _check_pattern(p)
 

@@ -46,7 +46,7 @@ from miles_quant._checkpoint_layouts import (
     quantized_params,
     stored_names,
 )
-from miles_quant._checkpoint_select import ALWAYS_KEEP, Selector, matches
+from miles_quant._checkpoint_select import ALWAYS_KEEP, Selector, check_pattern_list, matches
 from miles_quant.calibrate import input_scale
 
 __all__ = [
@@ -171,6 +171,8 @@ def plan_export(
         ValueError, FileNotFoundError: as `export_checkpoint`, for everything but the output.
     """
     layout = _check_format(fmt)
+    check_pattern_list(keep_bf16, "keep_bf16")
+    check_pattern_list(only, "only")
     src = Path(src_dir)
     cfg = _read_config(src)
     if "quantization_config" in cfg:
@@ -209,6 +211,13 @@ def plan_export(
                     f"precision (keep_bf16=[{name!r}], CLI: --keep {name})"
                 )
             plan.quantized.append(name)
+        if only is not None and not any(
+            matches(n, p) for n in reader.names for p in selector.only or ()
+        ):
+            raise ValueError(
+                f"only={list(only)} matches no tensor of {os.fspath(src)!r} (names look like "
+                f"{reader.names[0] if reader.names else '-'!r}); fix the patterns"
+            )
     if fmt == "nvfp4":
         quantized = set(plan.quantized)
         for group in _fusion_groups(list(reader.names)):

@@ -25,7 +25,12 @@ from typing import Any
 import torch
 
 from miles_quant._api import Backend, dequantize, quantize
-from miles_quant._checkpoint_select import DEFAULT_QAT_PATTERNS, _check_pattern, matches
+from miles_quant._checkpoint_select import (
+    DEFAULT_QAT_PATTERNS,
+    _check_pattern,
+    check_pattern_list,
+    matches,
+)
 
 __all__ = ["DEFAULT_QAT_PATTERNS", "QATHandle", "apply_int4_qat", "fake_quantize_int4"]
 
@@ -145,6 +150,7 @@ def apply_int4_qat(
             QAT already applied to the model.
     """
     fmt = _check_group(group)
+    check_pattern_list(patterns, "apply_int4_qat: patterns")
     pats = tuple(patterns)
     if not pats:
         raise ValueError("apply_int4_qat: patterns must name at least one pattern")
