@@ -1,9 +1,14 @@
 """FSDP2 DTensor parameters: the optimizer works on the local shards and matches torch's AdamW
 (which steps the DTensors) bit for bit; state_dict holds DTensors with the parameters' layout.
-Two real ranks are covered by miles-trainer's gloo test with offload="nvme"."""
+On one rank (in process) and on two gloo ranks (torchrun) with uneven and empty shards, a save
+and load across bucket sizes and a resume from the directory. miles-trainer's gloo test covers
+a real model with offload="nvme"."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,3 +72,23 @@ def test_fsdp2_shards_match_torch(mesh: object, offload: str, tmp_path: Path) ->
             assert g.shape == w[name].shape
             assert torch.equal(g.to_local(), w[name].to_local())
         assert torch.equal(got["state"][i]["step"], w["step"])
+
+
+def test_two_ranks_match_torch(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(Path(__file__).with_name("_dtensor_worker.py")),
+        str(tmp_path),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank0 OK" in proc.stdout
+    assert "rank1 OK" in proc.stdout
+    for rank in (0, 1):
+        assert (tmp_path / "nvme" / f"rank{rank}" / "b" / "manifest.json").exists()
