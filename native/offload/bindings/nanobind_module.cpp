@@ -118,6 +118,7 @@ NB_MODULE(_ext, m) {
         d["bytes_read"] = s.bytes_read;
         d["bytes_written"] = s.bytes_written;
         d["requests"] = s.requests;
+        d["fixed_requests"] = s.fixed_requests;
         d["submit_calls"] = s.submit_calls;
         return d;
       });

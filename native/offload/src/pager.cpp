@@ -173,6 +173,7 @@ struct Pager::Impl {
       const unsigned n = static_cast<unsigned>(slots[s].left);
       const uint64_t off = offset + slots[s].pos;
       const int bi = find_registered(p, n);
+      if (bi >= 0) ++st.fixed_requests;
       if (write) {
         if (bi >= 0) io_uring_prep_write_fixed(sqe, fd, p, n, off, bi);
         else io_uring_prep_write(sqe, fd, p, n, off);

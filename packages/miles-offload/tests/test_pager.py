@@ -58,6 +58,41 @@ def test_native_backends_roundtrip(tmp_path: Path, backend: str) -> None:
         assert 0 < stats["submit_calls"] < stats["requests"]  # batched submissions
 
 
+@NATIVE
+def test_built_with_io_uring_where_liburing_is_installed() -> None:
+    # CI installs liburing-dev (make setup): a build that silently lost io_uring would otherwise
+    # only skip the io_uring tests.
+    if not Path("/usr/include/liburing.h").exists():
+        pytest.skip("liburing-dev is not installed here")
+    assert _native._ext is not None
+    assert _native._ext.built_with_io_uring()
+
+
+@NATIVE
+def test_registered_buffers_use_fixed_requests(tmp_path: Path) -> None:
+    if mo.Pager(backend="auto").backend != "io_uring":
+        pytest.skip("io_uring unavailable here")
+    pager = mo.Pager(queue_depth=4, block_size=65536, backend="io_uring")
+    registered, plain = mo.aligned_empty(8 * 65536), mo.aligned_empty(8 * 65536)
+    registered.copy_(torch.randint(0, 256, (8 * 65536,), dtype=torch.uint8))
+    assert pager.register([registered])
+    fd, _ = mo.open_direct(tmp_path / "fixed.bin", create=True)
+    try:
+        pager.write(fd, 0, registered)  # READ_FIXED/WRITE_FIXED: the whole buffer, and views
+        pager.read(fd, 65536, registered[65536:])
+        s = pager.stats()
+        assert s["requests"] >= 15
+        assert s["fixed_requests"] == s["requests"]
+        pager.read(fd, 0, plain)  # an unregistered buffer: plain READ requests
+        s2 = pager.stats()
+        assert s2["requests"] >= s["requests"] + 8
+        assert s2["fixed_requests"] == s["fixed_requests"]
+        assert torch.equal(plain, registered)
+    finally:
+        os.close(fd)
+        pager.close()
+
+
 def test_python_backend_roundtrip(tmp_path: Path) -> None:
     stats = _roundtrip(tmp_path, "python", 5 * 65536, qd=3, block=65536)
     assert stats["bytes_read"] == 2 * 5 * 65536

@@ -83,6 +83,11 @@ def test_resident_state_is_bounded_by_the_pool(tmp_path: Path) -> None:
     assert big.state_bytes > 1.9 * opt.state_bytes
     assert big.resident_bytes == mo.POOL_BUFFERS * max(b.nbytes for b in big._buckets)
     assert big.peak_resident_bytes <= big.resident_bytes <= 1.1 * opt.resident_bytes
+    # The pipeline's buffers are registered with io_uring: every request is a fixed one.
+    stats = opt.io_stats()
+    if stats["backend"] == "io_uring":
+        assert stats["requests"] > 0
+        assert stats["fixed_requests"] == stats["requests"]
     # In RAM every bucket stays resident.
     cpu = mo.AdamW(make_params(), **HYPER, offload="cpu", bucket_mb=TINY_BUCKET_MB)
     assert cpu.resident_bytes == cpu.state_bytes

@@ -31,6 +31,7 @@ struct PagerStats {
   uint64_t bytes_read = 0;
   uint64_t bytes_written = 0;
   uint64_t requests = 0;      // read/write requests issued (including resubmitted short ones)
+  uint64_t fixed_requests = 0;  // of those, READ_FIXED/WRITE_FIXED on registered buffers
   uint64_t submit_calls = 0;  // io_uring_submit calls (0 with the thread pool)
 };
 

@@ -222,7 +222,13 @@ class Pager:
         self.block_size = block_size
         self._impl: Any = None
         self._pool: ThreadPoolExecutor | None = None
-        self._stats = {"bytes_read": 0, "bytes_written": 0, "requests": 0, "submit_calls": 0}
+        self._stats = {
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "requests": 0,
+            "fixed_requests": 0,
+            "submit_calls": 0,
+        }
         if backend != "python" and _native._ext is not None:
             self._impl = _native._ext.Pager(queue_depth, block_size, backend == "threads")
             got = str(self._impl.backend)
@@ -334,7 +340,8 @@ class Pager:
         self._stats["requests"] += len(futures)
 
     def stats(self) -> dict[str, int]:
-        """Bytes read and written, requests issued and io_uring submit calls so far."""
+        """Bytes read and written, requests issued (``fixed_requests`` of them on registered
+        buffers, io_uring only) and io_uring submit calls so far."""
         if self._impl is not None:
             return {k: int(v) for k, v in self._impl.stats().items()}
         return dict(self._stats)
