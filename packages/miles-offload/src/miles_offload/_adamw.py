@@ -66,8 +66,9 @@ class AdamW(Optimizer):
         path: directory of the bucket files (``offload="nvme"``); give each rank its own.
         bucket_mb: state MiB per bucket (master + both moments), > 0. With "nvme", peak
             resident state is three buckets, and the first read and the last write of a step
-            are not overlapped, so more buckets pipeline better (measured: 17 buckets of 64
-            MiB ran at 0.80-0.85x of the I/O bound, 9 of 128 MiB at 0.56x).
+            are not overlapped, so more buckets pipeline better (docs/benchmarks.md: 17
+            buckets of 64 MiB ran at 0.83-1.22x of the I/O bound, 9 of 128 MiB at 0.56x in
+            an earlier, busier run).
         moment_dtype: "float32" (exact) or "bfloat16" (moments stored in bf16, updated in
             fp32: 8 instead of 12 bytes per parameter; not bit-equal to torch).
         resume: with "nvme", continue from the state committed in ``path`` (same parameters,
