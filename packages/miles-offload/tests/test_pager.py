@@ -207,7 +207,16 @@ def test_env_override_forces_the_thread_pool(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout
-    assert out.split("|")[0].strip() == "threads"
+    backend, reason, warned = (x.strip() for x in out.split("|"))
+    assert backend == "threads"
+    assert warned == "0"  # asked for: no fallback warning
+    if _native._ext is not None and _native._ext.built_with_io_uring():
+        assert reason == "io_uring disabled by the caller"
+    # A value that is not a backend is refused with the list of valid ones.
+    env["MILES_OFFLOAD_PAGER"] = "uring"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert "MILES_OFFLOAD_PAGER must be one of ('io_uring', 'threads', 'python')" in bad.stderr
 
 
 # A seccomp filter that fails io_uring_setup (x86-64 syscall 425) with ENOSYS, as container
