@@ -226,3 +226,20 @@ def test_incomplete_state_dict_loads_nothing(offload: str, tmp_path: Path) -> No
         opt.load_state_dict(bad)
     assert_same_state(opt.state_dict(), before)
     assert_same_params(params, before_p)
+
+
+def test_state_of_another_algorithm_is_refused() -> None:
+    params = make_params()
+    opt = mo.AdamW(params, **HYPER)
+    amsgrad = torch.optim.AdamW(make_params(), **HYPER, amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        opt.load_state_dict(amsgrad.state_dict())
+    coupled = torch.optim.Adam(make_params(), lr=1e-3, weight_decay=0.1)
+    with pytest.raises(ValueError, match="coupled"):
+        opt.load_state_dict(coupled.state_dict())
+    # Adam without weight decay is AdamW without weight decay: accepted.
+    plain = make_params()
+    adam = torch.optim.Adam(plain, lr=1e-3)
+    run(plain, adam, range(2))
+    opt.load_state_dict(adam.state_dict())
+    assert_same_state(opt.state_dict(), adam.state_dict())

@@ -425,9 +425,10 @@ class AdamW(Optimizer):
         whole (with "nvme": written to the free slots, then the manifest is replaced).
 
         Raises:
-            ValueError: the groups or shapes do not match this optimizer's parameters, or an
-                entry lacks ``step``, ``exp_avg`` or ``exp_avg_sq`` (checked before anything
-                is loaded).
+            ValueError: the groups or shapes do not match this optimizer's parameters, an
+                entry lacks ``step``, ``exp_avg`` or ``exp_avg_sq``, or the state is of another
+                algorithm (amsgrad, or Adam's coupled weight decay); checked before anything
+                is loaded.
         """
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
@@ -438,6 +439,19 @@ class AdamW(Optimizer):
                 f"{[len(g['params']) for g in groups]}, this optimizer "
                 f"{[len(g['params']) for g in self.param_groups]}"
             )
+        for k, saved in enumerate(groups):
+            # State of another algorithm would load without complaint and change the results.
+            if saved.get("amsgrad", False):
+                raise ValueError(
+                    f"state_dict param group {k} has amsgrad=True; miles_offload.AdamW "
+                    "implements AdamW without amsgrad: load state saved with amsgrad=False"
+                )
+            if not saved.get("decoupled_weight_decay", True) and saved.get("weight_decay", 0):
+                raise ValueError(
+                    f"state_dict param group {k} comes from Adam with (coupled) weight_decay="
+                    f"{saved['weight_decay']}; miles_offload.AdamW decays decoupled (AdamW): "
+                    "load AdamW state, or state saved with weight_decay=0"
+                )
         index: dict[Any, int] = {}  # saved key -> position in this optimizer's flat order
         for saved in groups:
             for key in saved["params"]:
