@@ -65,7 +65,10 @@ def test_built_with_io_uring_where_liburing_is_installed() -> None:
     if not Path("/usr/include/liburing.h").exists():
         pytest.skip("liburing-dev is not installed here")
     assert _native._ext is not None
-    assert _native._ext.built_with_io_uring()
+    assert _native._ext.built_with_io_uring(), (
+        "liburing-dev is installed but the extension was built without it: rebuild with "
+        ".venv/bin/pip install --no-deps -e packages/miles-offload"
+    )
 
 
 @NATIVE
