@@ -72,7 +72,10 @@ class AdamW(Optimizer):
         moment_dtype: "float32" (exact) or "bfloat16" (moments stored in bf16, updated in
             fp32: 8 instead of 12 bytes per parameter; not bit-equal to torch).
         resume: with "nvme", continue from the state committed in ``path`` (same parameters,
-            bucket_mb and moment_dtype); the parameters receive the master weights.
+            bucket_mb and moment_dtype); the parameters receive the master weights. Every
+            bucket is verified as it is read: on `CorruptStateError` the parameters of the
+            buckets read before the damaged one already hold their masters, so reload the
+            model's weights together with the optimizer state.
         queue_depth: I/O requests in flight per transfer (nvme).
         block_size_kb: KiB per I/O request, a multiple of 4 (nvme).
         io_backend: "auto", "io_uring", "threads" or "python" (see `miles_offload.Pager`).
@@ -80,7 +83,9 @@ class AdamW(Optimizer):
             loss safety for speed (a crashed process still leaves consistent state).
 
     Raises:
-        ValueError: a bad hyperparameter or option (the message says which and why).
+        ValueError: a bad hyperparameter or option (the message says which and why), or
+            ``resume`` without state in ``path`` or with state of another layout.
+        CorruptStateError: ``resume`` found damaged state (the message names the file).
     """
 
     def __init__(
