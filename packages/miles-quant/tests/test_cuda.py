@@ -75,21 +75,23 @@ def test_package_builds_with_the_cuda_kernels(tmp_path: Path) -> None:
         assert callable(getattr(mod, op))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize(("fmt", "gran", "rule"), CASES, ids=[f"{f}-{g}-{r}" for f, g, r in CASES])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cuda_equals_reference(fmt: str, gran: str, rule: str | None, dtype: torch.dtype) -> None:
+def _on_device_equals_reference(
+    device: str, fmt: str, gran: str, rule: str | None, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    """The native kernels on `device` against the torch reference on CPU, bit for bit."""
+    stacked = len(shape) == 3  # [E, N, K]: per-expert tensor-level scales
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(300, 544, generator=g) * torch.logspace(-4, 4, 544)
-    x[3, 5] = float("nan")
-    x[200:260] = 0
+    x = torch.randn(shape, generator=g) * torch.logspace(-4, 4, shape[-1])
+    x.view(-1, shape[-1])[3, 5] = float("nan")  # in the first matrix (expert) only
+    x[..., shape[-2] * 2 // 3 : shape[-2] * 2 // 3 + 20, :] = 0  # all-zero groups and tiles
     if dtype == torch.float16:
         x = x.clamp(-60000, 60000)
     x = x.to(dtype)
-    ref = mq.quantize(x, fmt, granularity=gran, scale_rule=rule, backend="torch")
-    got = mq.quantize(x.cuda(), fmt, granularity=gran, scale_rule=rule, backend="native")
-    torch.cuda.synchronize()
+    kw = {"granularity": gran, "scale_rule": rule, "stacked": stacked}
+    ref = mq.quantize(x, fmt, backend="torch", **kw)  # type: ignore[arg-type]
+    got = mq.quantize(x.to(device), fmt, backend="native", **kw)  # type: ignore[arg-type]
+    if device == "cuda":
+        torch.cuda.synchronize()
     cpu = mq.QuantizedTensor(
         data=got.data.cpu(),
         scales=got.scales.cpu(),
@@ -102,6 +104,26 @@ def test_cuda_equals_reference(fmt: str, gran: str, rule: str | None, dtype: tor
         stacked=got.stacked,
     )
     assert_same_quantized(cpu, ref)
+    # out= on the device: the kernels write into the earlier result's buffers, same bits.
+    again = mq.quantize(x.to(device), fmt, backend="native", out=got, **kw)  # type: ignore[arg-type]
+    assert again.data.data_ptr() == got.data.data_ptr()
+    assert torch.equal(again.data.cpu().view(torch.uint8), ref.data.view(torch.uint8))
+
+
+# 2-D with a partial 1x128 group and an even K; stacked experts with an odd K (a pad nibble in
+# packed rows, partial blocks of every size) and N not a multiple of 16 or 128.
+SHAPES = [(300, 544), (3, 40, 97)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("fmt", "gran", "rule"), CASES, ids=[f"{f}-{g}-{r}" for f, g, r in CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=["2d", "stacked"])
+def test_cuda_equals_reference(
+    fmt: str, gran: str, rule: str | None, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    _on_device_equals_reference("cuda", fmt, gran, rule, dtype, shape)
 
 
 @pytest.mark.gpu
