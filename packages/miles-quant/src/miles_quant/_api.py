@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -251,7 +252,9 @@ def quantize(
     if backend not in _BACKENDS:
         raise ValueError(f"quantize: backend must be one of {_BACKENDS}, got {backend!r}")
     if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+        isinstance(threads, bool)
+        or not hasattr(threads, "__index__")
+        or operator.index(threads) < 1
     ):
         raise ValueError(
             f"quantize: threads must be a positive int (or None for torch.get_num_threads()), "
