@@ -155,3 +155,20 @@ def test_bad_input_and_mismatched_state_raise() -> None:
     bad = {**sc.state_dict(), "num_recorded": 5}
     with pytest.raises(ValueError, match="finite values"):
         sc.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("first", ["empty", "zeros"])
+def test_an_empty_or_zero_history_falls_back_to_the_own_amax(first: str) -> None:
+    # An MoE expert that no token reached sees empty activations: they record nothing, and a
+    # history of zeros must not give the next real batch a 1e-10 amax (all values saturated).
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3)) * 3
+    fresh = mq.DelayedScaler(history=4).quantize(x)  # first call: its own amax
+    sc = mq.DelayedScaler(history=4)
+    for _ in range(5):
+        sc.quantize(torch.empty(0, 64) if first == "empty" else torch.zeros(2, 64))
+    assert sc.state_dict()["num_recorded"] == (0 if first == "empty" else 5)
+    assert sc.next_amax() is None
+    q = sc.quantize(x)
+    assert torch.equal(bits(q.scales), bits(fresh.scales))
+    assert torch.equal(bits(q.data), bits(fresh.data))
+    assert sc.next_amax() == x.abs().amax()

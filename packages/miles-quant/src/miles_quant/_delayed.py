@@ -27,12 +27,14 @@ class DelayedScaler:
     Each `quantize(x)` call:
 
     1. takes `amax_used` = the max of the recorded amaxes (at most `history` of them, newest
-       last); on the very first call, with nothing recorded, the amax of x itself;
+       last); when nothing is recorded yet, or every recorded amax is 0 (a zero history says
+       nothing about the scale), the amax of x itself;
     2. computes the scale (a dequantization multiplier, fp32 operations in this order)
        `s = (max(amax_used, 1e-10) / max_elem) * 2^margin` and the element codes
        `encode(x / s)` (round to nearest even, saturating: values beyond `amax_used` clamp to
        +-max_elem);
-    3. records amax(x) into the history (dropping the oldest beyond `history`).
+    3. records amax(x) into the history (dropping the oldest beyond `history`). An empty x
+       (say, an MoE expert no token reached) holds no values and records nothing.
 
     A tensor holding NaN or Inf is poisoned as in the contract (section 2): scale NaN, every code
     the NaN code (0x7F); its amax is not recorded, so one bad batch does not poison the next
@@ -85,7 +87,12 @@ class DelayedScaler:
         return torch.roll(self._amax, -start)[:n].clone()
 
     def next_amax(self) -> torch.Tensor | None:
-        """The amax the next call will use (None before the first call: it uses its own)."""
+        """The amax the next call will use; None when it uses its own (nothing recorded yet, or
+        every recorded amax is 0)."""
+        m = self._history_max()
+        return None if m is None or not bool(m > 0) else m
+
+    def _history_max(self) -> torch.Tensor | None:
         if self._count == 0:
             return None
         return self._amax[: min(self._count, self.history)].max()
@@ -109,8 +116,9 @@ class DelayedScaler:
         zero = torch.zeros((), dtype=torch.float32, device=x.device)
         amax_now = xf.abs().amax() if xf.numel() else zero  # NaN and Inf propagate
         finite = bool(torch.isfinite(amax_now))
-        used = amax_now if self._count == 0 else self.next_amax()
-        assert used is not None
+        hist = self._history_max()
+        # No host synchronisation here: a zero history max falls back to x's own amax.
+        used = amax_now if hist is None else torch.where(hist > 0, hist, amax_now)
         scale = torch.clamp_min(used, AMAX_MIN) / el.max_value
         if self.margin:
             scale = scale * (2.0**self.margin)
@@ -123,8 +131,9 @@ class DelayedScaler:
                     f"({_native.error() or 'tensor on ' + str(x.device)})"
                 )
             codes = _native.encode(y, el) if native else _bits.encode(y, el)
-            self._amax[self._count % self.history] = amax_now
-            self._count += 1
+            if xf.numel():
+                self._amax[self._count % self.history] = amax_now
+                self._count += 1
         else:
             scale = torch.full((), float("nan"), dtype=torch.float32, device=x.device)
             codes = torch.full(x.shape, el.nan_code, dtype=torch.uint8, device=x.device)
