@@ -198,3 +198,42 @@ def test_damaged_state_is_detected_on_resume(tmp_path: Path, damage: str, messag
         _nvme(fresh, tmp_path, resume=True)
     assert str(victim) in str(info.value)
     assert "restore it from a checkpoint with load_state_dict()" in str(info.value)
+
+
+def test_failed_load_state_dict_keeps_the_previous_state(tmp_path: Path) -> None:
+    # bf16 parameters take their values from the loaded fp32 masters: a load that fails while
+    # writing (here: the fifth bucket) commits nothing and gives the parameters back.
+    def steps(params: list[torch.Tensor], opt: mo.AdamW, n: int) -> None:
+        g = torch.Generator().manual_seed(n)
+        for _ in range(n):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            opt.step()
+
+    params = [p.detach().bfloat16().requires_grad_() for p in make_params()]
+    opt = _nvme(params, tmp_path)
+    steps(params, opt, 2)
+    before, before_p = opt.state_dict(), [p.detach().clone() for p in params]
+    other = [p.detach().bfloat16().requires_grad_() for p in make_params()]
+    source = _nvme(other, tmp_path / "other")
+    steps(other, source, 5)
+    saved = source.state_dict()
+    assert not all(torch.equal(a, b) for a, b in zip(before_p, other))
+
+    def fail(bucket: int) -> None:
+        if bucket == 4:
+            raise OSError(5, "Input/output error (injected)")
+
+    opt._store._after_write = fail  # type: ignore[union-attr]
+    with pytest.raises(OSError, match="injected"):
+        opt.load_state_dict(saved)
+    assert_same_params(params, before_p)
+    after = opt.state_dict()
+    assert_same_state(after, before)
+    assert all(
+        torch.equal(after["state"][i]["master"], w["master"]) for i, w in before["state"].items()
+    )
+    opt._store._after_write = None  # type: ignore[union-attr]
+    opt.load_state_dict(saved)
+    assert_same_params(params, [p.detach() for p in other])
+    assert_same_state(opt.state_dict(), saved)

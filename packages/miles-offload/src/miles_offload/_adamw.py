@@ -488,7 +488,10 @@ class AdamW(Optimizer):
             local["step"] = torch.as_tensor(entry["step"], dtype=torch.float32).detach().cpu()
             entries[i] = local
 
+        filled: list[int] = []
+
         def fill(bucket: Bucket, buf: torch.Tensor) -> None:
+            filled.append(bucket.index)
             buf[bucket.header_bytes : bucket.nbytes].zero_()
             for s, flat, master, avg, sq in self._sections(bucket, buf):
                 e = entries[s.param]
@@ -505,9 +508,11 @@ class AdamW(Optimizer):
             self._steps[i].fill_(float(e["step"]) if e is not None else 0.0)
         try:
             self._store.visit([b.index for b in self._buckets], fill, read=False)
-        except BaseException:
+        except BaseException:  # nothing was committed: steps and parameters roll back
             for step, before in zip(self._steps, old):
                 step.fill_(before)
+            if isinstance(self._store, NvmeStore):
+                self._restore_params(filled)
             raise
         for saved, g in zip(groups, self.param_groups):
             for k, v in saved.items():
