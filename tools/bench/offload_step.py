@@ -10,6 +10,9 @@ Why: NVMe offload trades optimizer-state memory for disk traffic. This script me
   with fio running sequential O_DIRECT io_uring jobs that move a step's bytes with the
   pager's block size and queue depth on the same disk (overwriting a laid-out file, buffers
   on huge pages like the optimizer's); the efficiency is bound / step time (target >= 0.8).
+  A second peer runs what a step does to the disk: fio reading a step's bytes from one file
+  while writing a step's bytes to another (two concurrent jobs); its time / step time says how
+  close the step comes to the disk under the same mixed load;
   A VM's disk changes speed from minute to minute, so the script runs rounds of (nvme steps,
   then fio right after) and reports each round's efficiency and their median;
 - peak resident optimizer memory: the pager's own accounting (bucket buffers in use at once)
@@ -122,6 +125,24 @@ def fio_gbps(path: str, rw: str, size: int, args: argparse.Namespace) -> float:
     return out["jobs"][0][rw]["bw_bytes"] / 1e9
 
 
+def fio_mixed_s(
+    read_path: str, read_size: int, write_path: str, write_size: int, args: argparse.Namespace
+) -> float:
+    """Seconds for fio to read ``read_size`` bytes of one file while writing ``write_size``
+    to another (two concurrent jobs, as a step keeps a read and a write in flight)."""
+    common = [f"--bs={args.block_kb}k", f"--iodepth={args.depth}", "--direct=1",
+              "--ioengine=io_uring", "--fixedbufs"]  # fmt: skip
+    cmd = ["fio", *common, "--output-format=json",
+           "--name=rd", f"--filename={read_path}", f"--size={read_size}", "--rw=read",
+           "--name=wr", f"--filename={write_path}", f"--size={write_size}",
+           "--rw=write"]  # fmt: skip
+    env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    jobs = {j["jobname"]: j for j in json.loads(proc.stdout)["jobs"]}
+    return max(read_size / jobs["rd"]["read"]["bw_bytes"],
+               write_size / jobs["wr"]["write"]["bw_bytes"])  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=None, help="directory on the disk to test (default: TMPDIR)")
@@ -144,6 +165,7 @@ def main() -> None:
     try:
         res: dict[str, dict] = {}
         fio_file = os.path.join(tmp, "fio.bin")
+        fio_file2 = os.path.join(tmp, "fio_w.bin")
 
         def run(mode: str) -> dict:
             cmd = [sys.executable, __file__, "--mode", mode, "--path", os.path.join(tmp, "s")]
@@ -176,8 +198,17 @@ def main() -> None:
             fio_w = statistics.median(w for w, _ in fio_runs)
             fio_r = statistics.median(r for _, r in fio_runs)
             bound = nv["read_per_step"] / 1e9 / fio_r + nv["written_per_step"] / 1e9 / fio_w
+            # The second peer: fio doing what a step does to the disk, a step's reads and its
+            # writes at the same time (the pipeline keeps both in flight).
+            wsize = -(-int(nv["written_per_step"]) // 2**20) * 2**20
+            if not os.path.exists(fio_file2):
+                fio_gbps(fio_file2, "write", wsize, args)
+            mixed = statistics.median(
+                fio_mixed_s(fio_file, size, fio_file2, wsize, args) for _ in range(3)
+            )
             rounds.append({"nvme": nv, "fio_read": fio_r, "fio_write": fio_w, "bound": bound,
-                           "efficiency": bound / nv["step_s"]})  # fmt: skip
+                           "efficiency": bound / nv["step_s"], "fio_mixed_s": mixed,
+                           "mixed_efficiency": mixed / nv["step_s"]})  # fmt: skip
         mid = sorted(rounds, key=lambda r: r["efficiency"])[len(rounds) // 2]
         res["nvme"] = nv = mid["nvme"]
         res["cpu"] = run("cpu")
@@ -199,7 +230,9 @@ def main() -> None:
                 f"round {i}: nvme {r['nvme']['step_s']:.2f} s (steps "
                 + ", ".join(f"{t:.2f}" for t in r["nvme"]["steps_s"])
                 + f"); fio read {r['fio_read']:.2f} GB/s, write {r['fio_write']:.2f} GB/s -> "
-                f"I/O bound {r['bound']:.2f} s; efficiency bound/nvme {r['efficiency']:.2f}x"
+                f"I/O bound {r['bound']:.2f} s; efficiency bound/nvme {r['efficiency']:.2f}x; "
+                f"fio reading and writing together {r['fio_mixed_s']:.2f} s = "
+                f"{r['mixed_efficiency']:.2f}x"
             )
         effs = sorted(r["efficiency"] for r in rounds)
         print(

@@ -335,7 +335,7 @@ class AdamW(Optimizer):
                 flat.copy_(master)
 
         try:
-            self._store.visit(order, update)
+            self._store.visit(order, update, reorder=True)
         except BaseException:
             for i in stepped:  # nothing was committed: the steps roll back with the state
                 self._steps[i] -= 1

@@ -6,6 +6,12 @@ keeps what ``fn`` changed. `NvmeStore` pipelines it over a pool of three pre-fau
 io_uring-registered buffers: while ``fn`` updates bucket i, a reader thread loads bucket i+1 and
 a writer thread stores bucket i-1, so at most three buckets are resident at any time.
 
+Between passes the pool buffers keep the last buckets written (header and payload, exactly the
+bytes of the committed files). A pass that may run in any order (``reorder=True``, as
+`AdamW.step` does) starts with those buckets and does not read them again: each step reads
+``POOL_BUFFERS`` buckets fewer than it writes, and its first update starts at once instead of
+after a read. The next pass then ends with the other buckets, so the saving repeats every step.
+
 Crash safety: each bucket has two files (slots 0 and 1). A pass that writes buckets puts every
 bucket into the slot the committed manifest does not name, syncs each file after writing it,
 then atomically replaces ``manifest.json`` (write, fsync, rename, fsync the directory). A crash
@@ -49,9 +55,15 @@ class CpuStore:
         self.peak_resident_bytes = self.resident_bytes
 
     def visit(
-        self, order: list[int], fn: VisitFn, *, read: bool = True, write: bool = True
+        self,
+        order: list[int],
+        fn: VisitFn,
+        *,
+        read: bool = True,
+        write: bool = True,
+        reorder: bool = False,
     ) -> None:
-        del read, write  # the buffers are the state
+        del read, write, reorder  # the buffers are the state
         for i in order:
             fn(self.buckets[i], self._bufs[i])
 
@@ -122,6 +134,8 @@ class NvmeStore:
         self._reader = ThreadPoolExecutor(1, "miles-offload-read")
         self._writer = ThreadPoolExecutor(1, "miles-offload-write")
         self._fds: dict[tuple[int, int], int] = {}
+        # bucket index -> pool buffer holding that bucket's committed bytes (from the last pass)
+        self._kept: dict[int, torch.Tensor] = {}
         self.direct = True
         # Test hook: called in the writer thread after each bucket file is written.
         self._after_write: Callable[[int], None] | None = None
@@ -218,6 +232,7 @@ class NvmeStore:
     def read_steps(self) -> dict[int, float]:
         """Per parameter, the step recorded in the committed headers (reads headers only)."""
         out: dict[int, float] = {}
+        self._kept.clear()  # the header reads below go through a pool buffer
         buf = self._pool[0]
         for i, b in enumerate(self.buckets):
             meta = self._read(i, buf, verify=False)
@@ -235,12 +250,15 @@ class NvmeStore:
                 if abort.is_set():
                     raise RuntimeError("aborted") from None
                 continue
-            with self._out_lock:
-                self._out += 1
-                self.peak_resident_bytes = max(
-                    self.peak_resident_bytes, self._out * self._pool[0].numel()
-                )
+            self._count_out()
             return buf
+
+    def _count_out(self) -> None:
+        with self._out_lock:
+            self._out += 1
+            self.peak_resident_bytes = max(
+                self.peak_resident_bytes, self._out * self._pool[0].numel()
+            )
 
     def _give(self, free: queue.Queue[torch.Tensor], buf: torch.Tensor) -> None:
         with self._out_lock:
@@ -248,22 +266,45 @@ class NvmeStore:
         free.put(buf)
 
     def visit(
-        self, order: list[int], fn: VisitFn, *, read: bool = True, write: bool = True
+        self,
+        order: list[int],
+        fn: VisitFn,
+        *,
+        read: bool = True,
+        write: bool = True,
+        reorder: bool = False,
     ) -> None:
         """Run ``fn`` on each bucket of ``order``; with ``write``, commit the results.
 
-        ``read=False`` skips loading (``fn`` must then fill the whole bucket). On any error
+        ``read=False`` skips loading (``fn`` must then fill the whole bucket). ``reorder``
+        lets the buckets still held from the last pass go first (and unread). On any error
         nothing is committed: the previous state stays the committed one.
         """
         if not order:
             return
+        kept, self._kept = self._kept, {}  # valid again only after a successful commit
+        if reorder:
+            order = [i for i in order if i in kept] + [i for i in order if i not in kept]
+        # Held buffers serve the buckets that open the order; the others go back to the pool
+        # (a held buffer waiting for a later bucket would starve the reads before it).
+        held: dict[int, torch.Tensor] = {}
+        for i in order:
+            if i not in kept:
+                break
+            held[i] = kept[i]
         free: queue.Queue[torch.Tensor] = queue.Queue()
         for b in self._pool:
-            free.put(b)
+            if not any(b is h for h in held.values()):
+                free.put(b)
         abort = threading.Event()
         generation = self._manifest["generation"] + 1
+        last: dict[int, int] = {}  # id(pool buffer) -> the bucket last written from it
 
         def load(i: int) -> torch.Tensor:
+            buf = held.pop(i, None)
+            if buf is not None:  # already holds bucket i's committed bytes
+                self._count_out()
+                return buf
             buf = self._take(free, abort)
             try:
                 if read:
@@ -275,7 +316,9 @@ class NvmeStore:
 
         def store(i: int, buf: torch.Tensor) -> int:
             try:
-                return self._write(i, buf, generation)
+                slot = self._write(i, buf, generation)
+                last[id(buf)] = i
+                return slot
             finally:
                 self._give(free, buf)
 
@@ -306,6 +349,7 @@ class NvmeStore:
             raise
         if write:
             self._commit(order, slots, generation)
+            self._kept = {last[id(b)]: b for b in self._pool if id(b) in last}
 
     def _commit(self, order: list[int], slots: list[int], generation: int) -> None:
         manifest = json.loads(json.dumps(self._manifest))
@@ -334,6 +378,7 @@ class NvmeStore:
 
     def close(self) -> None:
         """Close the files and stop the I/O threads (the committed state stays on disk)."""
+        self._kept.clear()
         self._reader.shutdown()
         self._writer.shutdown()
         for fd in self._fds.values():
