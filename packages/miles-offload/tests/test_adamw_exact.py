@@ -90,6 +90,7 @@ def test_resume_from_the_nvme_directory(tmp_path: Path) -> None:
     run(fresh, second, range(4, STEPS))
     assert_same_params(fresh, want_p)
     assert_same_state(second.state_dict(), want_sd)
+    second.close()
     with pytest.raises(ValueError, match="another bucket layout"):
         _opt(fresh, "nvme", tmp_path, resume=True, bucket_mb=1.0)
     with pytest.raises(ValueError, match="resume=False to start fresh"):

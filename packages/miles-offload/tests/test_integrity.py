@@ -240,3 +240,38 @@ def test_failed_load_state_dict_keeps_the_previous_state(tmp_path: Path) -> None
     opt.load_state_dict(saved)
     assert_same_params(params, [p.detach() for p in other])
     assert_same_state(opt.state_dict(), saved)
+
+
+def test_one_optimizer_per_state_directory(tmp_path: Path) -> None:
+    # Two optimizers writing one directory would overwrite each other's slots and manifest:
+    # the second is refused while the first is open, in this process and in another one.
+    params = make_params()
+    opt = _nvme(params, tmp_path)
+    run(params, opt, range(2))
+    with pytest.raises(RuntimeError, match=rf"{tmp_path} is in use by another .*{os.getpid()}"):
+        _nvme(make_params(), tmp_path, resume=True)
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(HERE)!r})
+        from _offload_testlib import HYPER, TINY_BUCKET_MB, make_params
+        import miles_offload as mo
+        try:
+            mo.AdamW(make_params(), **HYPER, offload="nvme", path={str(tmp_path)!r},
+                     bucket_mb=TINY_BUCKET_MB, resume=True)
+        except RuntimeError as exc:
+            print(exc)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert f"in use by another miles_offload optimizer (process {os.getpid()})" in out.stdout
+    run(params, opt, range(2, 3))  # the refused ones changed nothing
+    opt.close()
+    # Closed: the directory is free again; a construction that fails releases it too.
+    with pytest.raises(ValueError, match="another bucket layout"):
+        mo.AdamW(make_params(), **HYPER, offload="nvme", path=tmp_path, resume=True, bucket_mb=1)
+    fresh = [torch.zeros_like(p).requires_grad_() for p in params]
+    again = _nvme(fresh, tmp_path, resume=True)
+    want_p, _ = reference(3)
+    assert_same_params(fresh, want_p)
+    again.close()

@@ -188,13 +188,17 @@ class AdamW(Optimizer):
         else:
             self._store = CpuStore(self._buckets, pin=pin)
         self._scratch = torch.empty(0, dtype=torch.float32)
-        if resume:
-            assert isinstance(self._store, NvmeStore)
-            for p, step in self._store.read_steps().items():
-                self._steps[p].fill_(step)
-            self._store.visit(list(range(len(self._buckets))), self._copy_out, write=False)
-        else:
-            self._store.visit(list(range(len(self._buckets))), self._fill_fresh, read=False)
+        try:
+            if resume:
+                assert isinstance(self._store, NvmeStore)
+                for p, step in self._store.read_steps().items():
+                    self._steps[p].fill_(step)
+                self._store.visit(list(range(len(self._buckets))), self._copy_out, write=False)
+            else:
+                self._store.visit(list(range(len(self._buckets))), self._fill_fresh, read=False)
+        except BaseException:
+            self._store.close()  # files, I/O threads and the directory lock
+            raise
         self._sync_state()
 
     # ------------------------------------------------------------------ info

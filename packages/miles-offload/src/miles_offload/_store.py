@@ -21,6 +21,7 @@ before the rename leaves the previous manifest and every file it names untouched
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import queue
@@ -28,7 +29,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -36,13 +37,40 @@ from miles_offload._format import CorruptStateError, decode_header, encode_heade
 from miles_offload._layout import Bucket
 from miles_offload._pager import Pager, aligned_empty, open_direct, preallocate
 
-__all__ = ["MANIFEST", "POOL_BUFFERS", "CpuStore", "NvmeStore"]
+__all__ = ["LOCK_FILE", "MANIFEST", "POOL_BUFFERS", "CpuStore", "NvmeStore"]
 
 MANIFEST = "manifest.json"
+LOCK_FILE = ".lock"  # flock-ed by the one optimizer using the directory
 POOL_BUFFERS = 3  # resident bucket buffers of NvmeStore: read i+1, update i, write i-1
 _MANIFEST_FORMAT = "miles-offload-manifest"
 
 VisitFn = Callable[[Bucket, torch.Tensor], None]
+
+
+def _lock_dir(path: Path) -> IO[str]:
+    """Hold an exclusive lock on ``path`` (flock on ``path/.lock``, which names the holder's
+    pid) for as long as the returned file stays open: two optimizers writing the same state
+    directory would overwrite each other's slots and manifest."""
+    f = open(path / LOCK_FILE, "a+")  # noqa: SIM115 (kept open: it is the lock)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RuntimeError(
+            f"{path} is in use by another miles_offload optimizer (process {holder}): two "
+            "optimizers writing one state directory would overwrite each other's state. "
+            "close() the other optimizer (or let its process exit), or pass another path"
+        ) from None
+    except BaseException:
+        f.close()
+        raise
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 class CpuStore:
@@ -110,6 +138,23 @@ class NvmeStore:
         self._steps = steps
         self._durable = durable
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_dir(self.path)
+        try:
+            self._setup(buckets, digest, resume, queue_depth, block_size, backend, pin)
+        except BaseException:
+            self._lock.close()
+            raise
+
+    def _setup(
+        self,
+        buckets: list[Bucket],
+        digest: str,
+        resume: bool,
+        queue_depth: int,
+        block_size: int,
+        backend: str,
+        pin: bool,
+    ) -> None:
         self._manifest: dict[str, Any]
         if resume:
             self._manifest = self._load_manifest(digest)
@@ -386,3 +431,4 @@ class NvmeStore:
         self._fds.clear()
         self._readp.close()
         self._writep.close()
+        self._lock.close()  # releases the directory
