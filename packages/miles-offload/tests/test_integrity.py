@@ -201,6 +201,12 @@ def test_damaged_state_is_detected_on_resume(tmp_path: Path, damage: str, messag
         _nvme(fresh, tmp_path, resume=True)
     assert str(victim) in str(info.value)
     assert "restore it from a checkpoint with load_state_dict()" in str(info.value)
+    # Nothing half-applied: the buckets before the damaged one had been copied out to the
+    # parameters, and are given back.
+    assert all(not p.any() for p in fresh)
+    # The failed optimizer released the directory: trying again meets the damage, not a lock.
+    with pytest.raises(mo.CorruptStateError, match=message):
+        _nvme(fresh, tmp_path, resume=True)
 
 
 def test_failed_load_state_dict_keeps_the_previous_state(tmp_path: Path) -> None:

@@ -193,7 +193,7 @@ class AdamW(Optimizer):
                 assert isinstance(self._store, NvmeStore)
                 for p, step in self._store.read_steps().items():
                     self._steps[p].fill_(step)
-                self._store.visit(list(range(len(self._buckets))), self._copy_out, write=False)
+                self._resume_params()
             else:
                 self._store.visit(list(range(len(self._buckets))), self._fill_fresh, read=False)
         except BaseException:
@@ -257,6 +257,26 @@ class AdamW(Optimizer):
         with torch.no_grad():
             for _, flat, master, _, _ in self._sections(bucket, buf):
                 flat.copy_(master)
+
+    def _resume_params(self) -> None:
+        """Give the parameters the committed masters; if a bucket turns out damaged, give back
+        the values the parameters had (kept in CPU memory bucket by bucket as they are
+        overwritten) so that a failed resume leaves them as they were."""
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def copy_out(bucket: Bucket, buf: torch.Tensor) -> None:
+            for _, flat, master, _, _ in self._sections(bucket, buf):
+                saved.append((flat, flat.to("cpu", copy=True)))
+                flat.copy_(master)
+
+        try:
+            with torch.no_grad():
+                self._store.visit(list(range(len(self._buckets))), copy_out, write=False)
+        except BaseException:
+            with torch.no_grad():
+                for flat, old in saved:
+                    flat.copy_(old)
+            raise
 
     def _sync_state(self) -> None:
         """Expose per-parameter steps in ``self.state`` (the moments stay offloaded)."""
