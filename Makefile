@@ -32,7 +32,8 @@ $(STAMP): constraints.txt requirements-dev.txt $(foreach p,$(PACKAGES) packages/
 	  apt-get update -qq && apt-get install -y -qq g++; }
 	@[ -f /usr/include/liburing.h ] && command -v fio >/dev/null 2>&1 || { \
 	  echo "miles-offload wants liburing-dev (io_uring) and fio (benchmarks): apt-get install"; \
-	  apt-get update -qq && apt-get install -y -qq liburing-dev fio || true; }
+	  apt-get update -qq && apt-get install -y -qq liburing-dev fio || \
+	  echo "WARNING: could not install liburing-dev/fio: the pager builds without io_uring"; }
 	$(PY) -m venv $(VENV)
 	$(PIP) -q torch==2.13.0
 	$(PIP) -q $(foreach p,$(PACKAGES),-e $(p)) -e 'packages/miles[all]' -r requirements-dev.txt

@@ -8,6 +8,7 @@ import errno
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -63,6 +64,14 @@ def test_built_with_io_uring_where_liburing_is_installed() -> None:
     # CI installs liburing-dev (make setup): a build that silently lost io_uring would otherwise
     # only skip the io_uring tests.
     if not Path("/usr/include/liburing.h").exists():
+        # Where make setup can install it (root with apt, as in CI), missing is a failure:
+        # its `apt-get install liburing-dev` must not fail unnoticed.
+        if shutil.which("apt-get") and os.geteuid() == 0:
+            pytest.fail(
+                "liburing-dev is missing although apt-get could install it (make setup tries): "
+                "apt-get install liburing-dev, then rebuild the extension with "
+                ".venv/bin/pip install --no-deps -e packages/miles-offload"
+            )
         pytest.skip("liburing-dev is not installed here")
     assert _native._ext is not None
     assert _native._ext.built_with_io_uring(), (
