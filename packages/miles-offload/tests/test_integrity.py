@@ -4,6 +4,7 @@ the previous step's state committed and recoverable, bit for bit."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -281,3 +282,22 @@ def test_one_optimizer_per_state_directory(tmp_path: Path) -> None:
     want_p, _ = reference(3)
     assert_same_params(fresh, want_p)
     again.close()
+
+
+def test_filesystem_without_locks_warns_and_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Some network mounts refuse flock (ENOLCK): the optimizer runs unlocked and says so.
+    import miles_offload._store as store
+
+    def no_locks(fd: object, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(store.fcntl, "flock", no_locks)
+    params = make_params()
+    with pytest.warns(RuntimeWarning, match=r"cannot be locked \(No locks available\)"):
+        opt = _nvme(params, tmp_path)
+    run(params, opt, range(2))
+    want_p, _ = reference(2)
+    assert_same_params(params, want_p)
+    opt.close()

@@ -21,11 +21,13 @@ before the rename leaves the previous manifest and every file it names untouched
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import queue
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -63,6 +65,17 @@ def _lock_dir(path: Path) -> IO[str]:
             "optimizers writing one state directory would overwrite each other's state. "
             "close() the other optimizer (or let its process exit), or pass another path"
         ) from None
+    except OSError as exc:
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            f.close()
+            raise
+        # A filesystem without flock (some network mounts): run unlocked, and say so.
+        warnings.warn(
+            f"miles_offload: {path} cannot be locked ({exc.strerror}); nothing stops a second "
+            "optimizer from using this directory at the same time",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     except BaseException:
         f.close()
         raise
