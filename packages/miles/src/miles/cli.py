@@ -12,6 +12,7 @@ the context) print one line naming the problem and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -94,9 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_third_party_noise() -> None:
+    """Where torchao is installed (a test dependency of miles-quant), transformers imports it,
+    and on a CPU machine it logs that its CUDA-only kernels cannot load, and torch warns about
+    the enums it registers: nothing a miles run does depends on either, so the command line
+    keeps them out of the run's output (errors still show)."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``miles`` console script."""
     args = build_parser().parse_args(argv)
+    _quiet_third_party_noise()
     try:
         return int(args.fn(args))
     except (FileNotFoundError, FileExistsError, ValueError) as e:
