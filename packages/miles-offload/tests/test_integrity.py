@@ -11,6 +11,7 @@ import resource
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from _offload_testlib import (
 )
 
 import miles_offload as mo
+from miles_offload._store import NvmeStore
 
 HERE = Path(__file__).parent
 
@@ -300,4 +302,50 @@ def test_filesystem_without_locks_warns_and_runs(
     run(params, opt, range(2))
     want_p, _ = reference(2)
     assert_same_params(params, want_p)
+    opt.close()
+
+
+def test_commit_waits_for_every_sync_and_a_failed_sync_fails_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The files are flushed (fdatasync) in a thread of their own, overlapping the next
+    # bucket's write; the manifest is replaced only after every flush of the step returned,
+    # and a flush that fails fails the step with nothing committed.
+    want_p, want_sd = reference(4)
+    params = make_params()
+    opt = _nvme(params, tmp_path)
+    run(params, opt, range(2))
+    store = opt._store
+    assert isinstance(store, NvmeStore)
+    real_sync, real_commit = os.fdatasync, store._commit
+    synced: list[int] = []
+
+    def slow_sync(fd: int) -> None:
+        time.sleep(0.005)  # a flush still running when the last write has returned
+        real_sync(fd)
+        synced.append(fd)
+
+    def commit(order: list[int], slots: list[int], generation: int) -> None:
+        assert len(synced) == len(order)  # every bucket written this step is flushed
+        real_commit(order, slots, generation)
+
+    monkeypatch.setattr(os, "fdatasync", slow_sync)
+    monkeypatch.setattr(store, "_commit", commit)
+    run(params, opt, range(2, 3))
+    assert len(synced) == opt.num_buckets
+
+    def failing_sync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    monkeypatch.setattr(os, "fdatasync", failing_sync)
+    before = [p.detach().clone() for p in params]
+    manifest = (tmp_path / "manifest.json").read_text()
+    with pytest.raises(OSError, match="injected"):
+        run(params, opt, range(3, 4))
+    assert_same_params(params, before)
+    assert (tmp_path / "manifest.json").read_text() == manifest
+    monkeypatch.setattr(os, "fdatasync", real_sync)
+    run(params, opt, range(3, 4))  # retried as if the failed step never happened
+    assert_same_params(params, want_p)
+    assert_same_state(opt.state_dict(), want_sd)
     opt.close()

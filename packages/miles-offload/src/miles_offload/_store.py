@@ -191,6 +191,8 @@ class NvmeStore:
         self.registered = self._readp.register(self._pool) and self._writep.register(self._pool)
         self._reader = ThreadPoolExecutor(1, "miles-offload-read")
         self._writer = ThreadPoolExecutor(1, "miles-offload-write")
+        self._syncer = ThreadPoolExecutor(1, "miles-offload-sync")
+        self._syncs: list[Future[None]] = []
         self._fds: dict[tuple[int, int], int] = {}
         # bucket index -> pool buffer holding that bucket's committed bytes (from the last pass)
         self._kept: dict[int, torch.Tensor] = {}
@@ -281,8 +283,10 @@ class NvmeStore:
         crc = self._writep.write(fd, b.header_bytes, payload, crc_from=0)
         encode_header(buf, b, self._descs[i], steps, generation, payload_crc=crc)
         self._writep.write(fd, 0, buf[: b.header_bytes])
-        if self._durable:  # here, in the writer thread, it overlaps the next bucket's update
-            os.fdatasync(fd)
+        if self._durable:
+            # In its own thread: the flush overlaps the next bucket's write instead of holding
+            # the writer (the buffer is free once the write has completed); the commit waits.
+            self._syncs.append(self._syncer.submit(os.fdatasync, fd))
         if self._after_write is not None:
             self._after_write(i)
         return slot
@@ -356,6 +360,7 @@ class NvmeStore:
                 free.put(b)
         abort = threading.Event()
         generation = self._manifest["generation"] + 1
+        self._syncs = []
         last: dict[int, int] = {}  # id(pool buffer) -> the bucket last written from it
 
         def load(i: int) -> torch.Tensor:
@@ -395,11 +400,13 @@ class NvmeStore:
                 else:
                     self._give(free, buf)
             slots = [s.result() for s in stores]
+            for sync in self._syncs:  # every written file is on stable storage before the commit
+                sync.result()
         except BaseException:
             abort.set()
             for f in loads:
                 f.cancel()
-            pending: list[Future[Any]] = [*loads, *stores]
+            pending: list[Future[Any]] = [*loads, *stores, *self._syncs]
             for f in pending:  # wait for the I/O threads; the first error is the one raised
                 if not f.cancelled():
                     with contextlib.suppress(BaseException):
@@ -439,6 +446,7 @@ class NvmeStore:
         self._kept.clear()
         self._reader.shutdown()
         self._writer.shutdown()
+        self._syncer.shutdown()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
