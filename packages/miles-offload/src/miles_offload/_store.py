@@ -406,11 +406,14 @@ class NvmeStore:
             abort.set()
             for f in loads:
                 f.cancel()
-            pending: list[Future[Any]] = [*loads, *stores, *self._syncs]
+            pending: list[Future[Any]] = [*loads, *stores]
             for f in pending:  # wait for the I/O threads; the first error is the one raised
                 if not f.cancelled():
                     with contextlib.suppress(BaseException):
                         f.result()
+            for sync in self._syncs:  # complete now: the stores that queue them have returned
+                with contextlib.suppress(BaseException):
+                    sync.result()
             raise
         if write:
             self._commit(order, slots, generation)
