@@ -349,3 +349,26 @@ def test_commit_waits_for_every_sync_and_a_failed_sync_fails_the_step(
     assert_same_params(params, want_p)
     assert_same_state(opt.state_dict(), want_sd)
     opt.close()
+
+
+def test_forked_children_do_not_keep_the_directory_locked(tmp_path: Path) -> None:
+    # A DataLoader worker forked while the optimizer is open must not hold its lock: after
+    # the parent's close(), a new optimizer on the directory opens while the child lives.
+    params = make_params()
+    opt = _nvme(params, tmp_path)
+    run(params, opt, range(1))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: wait until the parent is done, touch nothing
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        opt.close()
+        again = _nvme(params, tmp_path, resume=True)
+        again.close()
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)

@@ -28,6 +28,7 @@ import os
 import queue
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -47,6 +48,22 @@ POOL_BUFFERS = 3  # resident bucket buffers of NvmeStore: read i+1, update i, wr
 _MANIFEST_FORMAT = "miles-offload-manifest"
 
 VisitFn = Callable[[Bucket, torch.Tensor], None]
+
+
+# The lock files of this process's optimizers. A forked child (a DataLoader worker) would
+# otherwise share them and keep a directory locked after the parent's close(): children close
+# their copies (the parent's lock stays held).
+_LOCKS: weakref.WeakSet[IO[str]] = weakref.WeakSet()
+
+
+def _close_locks_in_child() -> None:
+    for f in list(_LOCKS):
+        with contextlib.suppress(OSError):
+            f.close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_locks_in_child)
 
 
 def _lock_dir(path: Path) -> IO[str]:
@@ -83,6 +100,7 @@ def _lock_dir(path: Path) -> IO[str]:
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
+    _LOCKS.add(f)
     return f
 
 
