@@ -265,9 +265,9 @@ class AdamW(Optimizer):
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def copy_out(bucket: Bucket, buf: torch.Tensor) -> None:
-            for _, flat, master, _, _ in self._sections(bucket, buf):
+            for _, flat, _, _, _ in self._sections(bucket, buf):
                 saved.append((flat, flat.to("cpu", copy=True)))
-                flat.copy_(master)
+            self._copy_out(bucket, buf)
 
         try:
             with torch.no_grad():
