@@ -85,7 +85,16 @@ struct Pager::Impl {
 
   void start_pool() {
     const unsigned n = std::max(1u, std::min(opt.queue_depth, 64u));
-    for (unsigned t = 0; t < n; ++t) workers.emplace_back([this] { worker(); });
+    for (unsigned t = 0; t < n; ++t) {
+      try {
+        workers.emplace_back([this] { worker(); });
+      } catch (...) {
+        // Fewer workers only lower the parallelism (they share the chunks); with none, stop
+        // and join so that no joinable thread is destroyed (std::terminate), then report.
+        if (!workers.empty()) return;
+        throw;
+      }
+    }
   }
 
   void worker() {

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -78,28 +80,44 @@ int resolve_threads(int threads) {
 }
 
 // Runs f(begin, end) over [0, n) on up to `threads` threads (the caller's thread included),
-// each with at least `grain` items.
+// each with at least `grain` items. Exception-safe: a thread that cannot be started (EAGAIN
+// under a pids limit) leaves its range to the caller's thread, an exception from f is rethrown
+// after every thread has been joined (a joinable std::thread destroyed by unwinding would call
+// std::terminate and abort the whole process).
 template <class Fn>
 void parallel_for(int64_t n, int threads, int64_t grain, const Fn& f) {
   if (n <= 0) return;
   const int64_t max_tasks = std::max<int64_t>(1, n / std::max<int64_t>(1, grain));
   const int t = static_cast<int>(std::min<int64_t>(resolve_threads(threads), max_tasks));
   const int64_t chunk = (n + t - 1) / t;
+  std::mutex error_mu;
+  std::exception_ptr error;
+  auto run = [&](int64_t b, int64_t e) noexcept {
+    try {
+      FpEnvGuard guard;
+      f(b, e);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mu);
+      if (!error) error = std::current_exception();
+    }
+  };
   std::vector<std::thread> pool;
   pool.reserve(static_cast<size_t>(t > 1 ? t - 1 : 0));
+  int64_t inline_from = n;  // ranges from here on run on the caller's thread
   for (int i = 1; i < t; ++i) {
     const int64_t b = i * chunk, e = std::min(n, b + chunk);
     if (b >= e) break;
-    pool.emplace_back([&f, b, e] {
-      FpEnvGuard guard;
-      f(b, e);
-    });
+    try {
+      pool.emplace_back(run, b, e);
+    } catch (...) {
+      inline_from = b;
+      break;
+    }
   }
-  {
-    FpEnvGuard guard;
-    f(0, std::min(n, chunk));
-  }
+  run(0, std::min(n, chunk));
+  for (int64_t b = inline_from; b < n; b += chunk) run(b, std::min(n, b + chunk));
   for (auto& th : pool) th.join();
+  if (error) std::rethrow_exception(error);
 }
 
 // Items per task so that a task touches at least ~64k elements.

@@ -104,7 +104,16 @@ void copy_jobs(const Job* jobs, int64_t n_jobs, int threads) {
   };
   std::vector<std::thread> pool;
   pool.reserve(n_threads - 1);
-  for (int i = 1; i < n_threads; ++i) pool.emplace_back(worker);
+  for (int i = 1; i < n_threads; ++i) {
+    // A thread that cannot start (EAGAIN under a pids limit) is not an error: the tasks are
+    // shared, so the threads already running and the caller's thread do them. Letting the
+    // exception unwind past joinable threads would call std::terminate.
+    try {
+      pool.emplace_back(worker);
+    } catch (...) {
+      break;
+    }
+  }
   worker();
   for (std::thread& th : pool) th.join();
 }
