@@ -75,8 +75,10 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
+# PYTHONFAULTHANDLER: a native abort in a test or in a rank it spawns prints every thread's
+# Python stack, so a rare crash in CI says where it happened.
 pytest: setup
-	$(BIN)/pytest -q packages tests
+	PYTHONFAULTHANDLER=1 $(BIN)/pytest -q packages tests
 
 # Every check: lint, types, all tests in the dev venv, then each package's tests again through
 # Pants with only that package's declared dependencies (per-package CI, docs/ci.md).
