@@ -1,6 +1,7 @@
 // Probes behind docs/benchmarks.md "AMD EPYC (Zen 4) host": what one FP8 element costs in an L1
-// loop (load + widen, the IEEE division, the encode), and an alternative encode checked against
-// the kernels' over every non-NaN fp32 input. Not part of the build.
+// loop (load + widen, the IEEE division, the encode, a reciprocal with an exact fallback), and an
+// alternative encode checked against the kernels' over every non-NaN fp32 input. Not part of the
+// build.
 //
 //   g++ -O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512dq -ffp-contract=off \
 //       -Inative/quant/include -Inative/quant/src tools/bench/quant_encode_probe.cpp -o /tmp/probe && /tmp/probe
@@ -31,6 +32,32 @@ template <class F> static inline __m512i enc_new(__m512 f) {
   const __m512i c = _mm512_add_epi32(_mm512_sub_epi32(s, e), _mm512_add_epi32(_mm512_srli_epi32(e, 23 - M), u32(kK1)));
   const __m512i sign_src = _mm512_srli_epi32(b, 31 - kSignPos);
   return _mm512_ternarylogic_epi32(c, sign_src, u32(1u << kSignPos), 0xF8);
+}
+
+// The reciprocal variant: q = x * (1 / s), and the exact division only for a vector with a lane
+// within W fp32 ulps of a tie of a normal target or in the subnormal-target range (timed only).
+template <class F> static inline __mmask16 near_tie(__m512 q) {
+  constexpr int M = F::kMbits, kEmin = 1 - F::kBias;
+  constexpr uint32_t W = 8, mask = (1u << (23 - M)) - 1, half = 1u << (22 - M);
+  constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(127 + kEmin) << 23;
+  constexpr uint32_t kTinyBits = static_cast<uint32_t>(127 + kEmin - M - 3) << 23;
+  const __m512i u = _mm512_and_si512(_mm512_castps_si512(q), u32(0x7FFFFFFF));
+  const __m512i t = _mm512_and_si512(_mm512_add_epi32(u, u32(W - half)), u32(mask));
+  return _mm512_cmplt_epu32_mask(t, u32(2 * W)) |
+         _mm512_cmplt_epu32_mask(_mm512_sub_epi32(u, u32(kTinyBits)), u32(kMinNormalBits - kTinyBits));
+}
+
+template <class F> double bench_recip(const std::vector<float>& in, std::vector<uint8_t>& out) {
+  const __m512 vs = _mm512_set1_ps(1.7f), vr = _mm512_set1_ps(1.0f / 1.7f);
+  auto t0 = std::chrono::steady_clock::now();
+  for (int rep = 0; rep < 2000; ++rep)
+    for (size_t i = 0; i < in.size(); i += 16) {
+      const __m512 x = _mm512_loadu_ps(&in[i]);
+      __m512 q = _mm512_mul_ps(x, vr);
+      if (__builtin_expect(near_tie<F>(q) != 0, 0)) q = _mm512_div_ps(x, vs);
+      _mm_storeu_si128((__m128i*)&out[i], _mm512_cvtepi32_epi8(enc_cur<F>(q)));
+    }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / (2000.0 * in.size()) * 1e9;
 }
 
 template <class F> bool exhaustive(const char* name) {
@@ -81,8 +108,9 @@ int main() {
   for (size_t i = 0; i < in.size(); ++i) in[i] = (float)((int)(i * 2654435761u % 2001) - 1000) * 0.37f;
   for (int r = 0; r < 3; ++r) {
     printf("load+widen+store %.3f, +div %.3f, +mul %.3f ns/el | ", parts<0>(half, out), parts<1>(half, out), parts<2>(half, out));
-    printf("div+encode+store e4m3: current %.3f alternative %.3f; e2m1: %.3f / %.3f ns/el\n",
+    printf("div+encode+store e4m3: current %.3f alternative %.3f; e2m1: %.3f / %.3f ns/el | ",
            bench<E4M3, 0>(in, out), bench<E4M3, 1>(in, out), bench<E2M1, 0>(in, out), bench<E2M1, 1>(in, out));
+    printf("e4m3 reciprocal + check + encode + store %.3f ns/el\n", bench_recip<E4M3>(in, out));
   }
   return ok ? 0 : 1;
 }
