@@ -80,3 +80,35 @@ def _check_metrics(got: list[dict[str, float]], want: list[dict[str, float]], ra
         for key, value in step_want.items():
             tol = METRIC_RTOL * max(1.0, abs(value))
             assert abs(step_got[key] - value) <= tol, (rank, key, step_got[key], value)
+
+
+EXIT_PROBE = """
+import atexit, sys
+import torch.distributed as dist
+# Registered before the trainer's handler, so it runs after it (atexit is last in, first out).
+atexit.register(lambda: print("at exit, initialized:", dist.is_initialized(), flush=True))
+if sys.argv[2] == "own":
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+from miles_trainer import FSDPTrainer, TrainerConfig
+FSDPTrainer(TrainerConfig(model_path=sys.argv[1]))
+print("after the trainer, initialized:", dist.is_initialized(), flush=True)
+"""
+
+
+def test_process_group_made_by_the_trainer_is_destroyed_at_exit(tiny_model_dir: Path) -> None:
+    """A gloo worker thread freeing tensors during interpreter teardown aborts the process
+    (SIGABRT, "terminate called without an active exception"; seen in CI in the 2-rank QAT run):
+    the group the trainer created is destroyed by an atexit handler after a GIL-free grace
+    period; a group the caller made is left alone."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    outs = {}
+    for who in ("trainer", "own"):
+        cmd = [sys.executable, "-c", EXIT_PROBE, str(tiny_model_dir), who]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        outs[who] = proc.stdout
+    assert "after the trainer, initialized: True" in outs["trainer"]
+    assert "at exit, initialized: False" in outs["trainer"]
+    assert "at exit, initialized: True" in outs["own"]

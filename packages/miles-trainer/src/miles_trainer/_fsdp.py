@@ -6,8 +6,10 @@ for a single device, or ``torchrun --nproc_per_node N`` for N (gloo on CPU, NCCL
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +43,35 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _SUMMED = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "abs_diff_sum")
 
 
+# How long the atexit handler below releases the GIL before the interpreter tears down.
+_EXIT_GRACE_S = 0.05
+
+
+def _destroy_own_group(group: Any) -> None:
+    """atexit: let gloo's worker threads finish, then destroy the group `_init_distributed` made.
+
+    A gloo worker thread frees each finished collective's tensors after the caller's `wait()`
+    has returned; freeing a tensor whose Python object is gone takes the GIL. When the process
+    exits right after its last collective, that thread may get the GIL only once interpreter
+    teardown has begun, and CPython then ends it with pthread_exit, whose unwinding through
+    torch's C++ frames calls std::terminate: the process aborts at exit ("terminate called
+    without an active exception", SIGABRT; pytorch/pytorch#190489; 4 of 62 runs of the 2-rank
+    QAT test on a loaded 2-core machine, 0 of 64 with this handler). Sleeping here, before
+    teardown, releases the GIL so that those threads finish; destroying the group afterwards
+    shuts its backend down. This narrows the race (torch offers no way to wait for the workers'
+    cleanup); it does not close it. A group the caller created (or replaced since) is the
+    caller's to destroy.
+    """
+    if dist.is_initialized() and dist.group.WORLD is group:
+        time.sleep(_EXIT_GRACE_S)
+        dist.destroy_process_group()
+
+
 def _init_distributed() -> tuple[int, int, torch.device]:
-    """Join (or create) the default process group; return (rank, world size, device)."""
+    """Join (or create) the default process group; return (rank, world size, device).
+
+    A group created here is destroyed at interpreter exit (`_destroy_own_group`).
+    """
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -54,6 +83,7 @@ def _init_distributed() -> tuple[int, int, torch.device]:
             # No launcher: a private one-process group, no port needed.
             store = dist.HashStore()  # type: ignore[attr-defined]
             dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        atexit.register(_destroy_own_group, dist.group.WORLD)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
 
