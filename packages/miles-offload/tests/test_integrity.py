@@ -358,12 +358,18 @@ def test_forked_children_do_not_keep_the_directory_locked(tmp_path: Path) -> Non
     opt = _nvme(params, tmp_path)
     run(params, opt, range(1))
     r, w = os.pipe()
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: wait until the parent is done, touch nothing
+    if pid == 0:  # the child: say it is past fork, wait until the parent is done
         os.close(w)
+        os.close(ready_r)
+        os.write(ready_w, b"x")  # the at-fork hooks (closing our lock copy) have run
         os.read(r, 1)
         os._exit(0)
     os.close(r)
+    os.close(ready_w)
+    os.read(ready_r, 1)  # not before: a child not yet scheduled still shares the lock
+    os.close(ready_r)
     try:
         opt.close()
         again = _nvme(params, tmp_path, resume=True)
