@@ -15,7 +15,7 @@
 #include "miles_quant/cpu_kernels.h"
 #include "avx512_kernels.h"  // the kernels' own simd::encode, measured as "current"
 using namespace miles_quant;
-static inline __m512i u32(uint32_t v) { return _mm512_set1_epi32((int)v); }
+using cpu::avx512::simd::u32;  // the kernels' own helper
 template <class F> static inline __m512i enc_cur(__m512 f) { return cpu::avx512::simd::encode<F, false>(f); }
 
 template <class F> static inline __m512i enc_new(__m512 f) {
