@@ -52,6 +52,7 @@ from miles_transfer import (
     plan_transfer,
     qwen3_params,
     sglang_layout,
+    shutdown_process_group,
     src_peer,
     tensor_digest,
 )
@@ -165,7 +166,7 @@ def _p2p(rank: int, a: argparse.Namespace, kind: str, ports: tuple[int, int], ou
                     "buckets": len(rep.buckets)}, f"{out}.{d}")  # fmt: skip
     if kind == "gloo":
         dist.barrier()
-        dist.destroy_process_group()
+        shutdown_process_group()
     else:
         store.set(f"done/{rank}", "1")
         store.wait([f"done/{r}" for r in range(world)])
@@ -211,7 +212,7 @@ def _verify_rank(
         torch.save(same, os.path.join(tmp, f"ok{d}"))
     if kind == "gloo":
         dist.barrier()
-        dist.destroy_process_group()
+        shutdown_process_group()
     else:
         store.set(f"done/{rank}", "1")
         store.wait([f"done/{r}" for r in range(world)])

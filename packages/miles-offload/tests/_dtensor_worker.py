@@ -11,6 +11,7 @@ Parameters and state must equal torch's bit for bit on every rank; each rank pri
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,12 @@ def main() -> None:
         opt.close()
     print(f"rank{rank} OK", flush=True)
     dist.destroy_process_group()
+    # Leave without interpreter teardown: gloo's worker threads may still be dropping the last
+    # collective's tensors, and one that asks for the GIL during teardown aborts the process
+    # after its work succeeded (pytorch/pytorch#190489; miles_transfer.shutdown_process_group
+    # documents it). Nothing is left to flush: stdout was flushed above, the files are closed.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -92,14 +92,17 @@ if sys.argv[2] == "own":
 from miles_trainer import FSDPTrainer, TrainerConfig
 FSDPTrainer(TrainerConfig(model_path=sys.argv[1]))
 print("after the trainer, initialized:", dist.is_initialized(), flush=True)
+from miles_trainer._gloo_exit import _gloo_workers, wait_for_gloo_workers
+print("gloo workers:", len(_gloo_workers()), flush=True)
+print("parked:", wait_for_gloo_workers(30.0), flush=True)
 """
 
 
 def test_process_group_made_by_the_trainer_is_destroyed_at_exit(tiny_model_dir: Path) -> None:
     """A gloo worker thread freeing tensors during interpreter teardown aborts the process
     (SIGABRT, "terminate called without an active exception"; seen in CI in the 2-rank QAT run):
-    the group the trainer created is destroyed by an atexit handler after a GIL-free grace
-    period; a group the caller made is left alone."""
+    the group the trainer created is destroyed by an atexit handler once gloo's worker threads
+    (found under their thread name) have parked; a group the caller made is left alone."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
@@ -111,4 +114,8 @@ def test_process_group_made_by_the_trainer_is_destroyed_at_exit(tiny_model_dir: 
         outs[who] = proc.stdout
     assert "after the trainer, initialized: True" in outs["trainer"]
     assert "at exit, initialized: False" in outs["trainer"]
+    for out in outs.values():
+        workers = int(out.split("gloo workers:")[1].split()[0])
+        assert workers > 0, out
+        assert "parked: True" in out, out
     assert "at exit, initialized: True" in outs["own"]

@@ -34,6 +34,7 @@ from miles_transfer import (
     module_param_specs,
     module_shards,
     plan_transfer,
+    shutdown_process_group,
     split_layout,
     tensor_digest,
 )
@@ -103,7 +104,9 @@ def run(rank: int, world: int, ports: tuple[int, int], steps: int, out_dir: str)
     store.set(f"done/{rank}", "1")
     store.wait([f"done/{r}" for r in range(world)])
     transport.close()
-    dist.destroy_process_group()
+    # Not dist.destroy_process_group() alone: gloo's worker threads may still be releasing
+    # the last collective's tensors, and a process that exits then can abort (see its doc).
+    shutdown_process_group()
 
 
 def check(out_dir: str, steps: int) -> None:

@@ -33,6 +33,7 @@ from miles_transfer import (
     plan_transfer,
     qwen3_params,
     sglang_layout,
+    shutdown_process_group,
     tensor_digest,
 )
 
@@ -104,7 +105,7 @@ def _worker(rank: int, world: int, port: int, store_port: int, out_dir: str) -> 
             t.close()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group()  # waits for gloo's workers first: see miles_transfer docs
 
 
 def test_fsdp2_trainer_to_tp2_rollout_over_gloo_tcp_and_shm(tmp_path):

@@ -17,7 +17,9 @@ from miles_transfer import (
     bucketize,
     iter_full_state,
     push_module_weights,
+    shutdown_process_group,
     tensor_digest,
+    wait_for_gloo_workers,
 )
 
 
@@ -75,6 +77,17 @@ def test_iter_full_state_plain_module_names_and_cast():
     assert torch.equal(got["0.weight"], m.state_dict()["0.weight"].to(torch.bfloat16))
 
 
+def _threads_named(name: str) -> int:
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().strip() == name
+        except OSError:
+            pass
+    return n
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -124,6 +137,9 @@ def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
         except RuntimeError as e:
             error = str(e)
         dist.barrier()
+        # Real gloo workers exist under the name the exit helper looks for, and they park.
+        gloo_threads = _threads_named("pt_gloo_runloop")
+        parked = wait_for_gloo_workers(timeout=30.0)
         if rank == 0:
             assert report is not None
             assert receiver is not None
@@ -135,11 +151,13 @@ def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
                     "version": receiver.weight_version,
                     "received": receiver.weights_checksum(),
                     "error": error,
+                    "gloo_threads": gloo_threads,
+                    "parked": parked,
                 },
                 out_path,
             )
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group()  # a plain destroy_process_group() here aborted once in CI
 
 
 def test_fsdp2_gather_yields_exactly_the_unsharded_tensors(tmp_path):
@@ -157,6 +175,8 @@ def test_fsdp2_gather_yields_exactly_the_unsharded_tensors(tmp_path):
     assert res["version"] == "7"
     assert res["received"] == {n: tensor_digest(t) for n, t in ref_state}
     assert res["error"] == "engine went away"
+    assert res["gloo_threads"] > 0
+    assert res["parked"]
 
 
 def test_push_module_weights_plain_module_detects_mismatch():

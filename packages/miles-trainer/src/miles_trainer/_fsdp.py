@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +22,7 @@ from miles_trainer._attention import attn_implementation
 from miles_trainer._batch import MicroBatch, TrainBatch, pack_micro_batch
 from miles_trainer._checkpoint import broadcast_ok, gather_full_state_dict, write_hf_dir
 from miles_trainer._config import TrainerConfig
+from miles_trainer._gloo_exit import wait_for_gloo_workers
 from miles_trainer._logprobs import response_logprobs
 from miles_trainer._losses import policy_loss
 from miles_trainer._malloc import keep_freed_memory
@@ -43,12 +43,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _SUMMED = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "abs_diff_sum")
 
 
-# How long the atexit handler below releases the GIL before the interpreter tears down.
-_EXIT_GRACE_S = 0.05
+# How long the atexit handler below waits at most for gloo's worker threads to park.
+_EXIT_WAIT_S = 5.0
 
 
 def _destroy_own_group(group: Any) -> None:
-    """atexit: let gloo's worker threads finish, then destroy the group `_init_distributed` made.
+    """atexit: wait until gloo's worker threads are parked, then destroy the group
+    `_init_distributed` made.
 
     A gloo worker thread frees each finished collective's tensors after the caller's `wait()`
     has returned; freeing a tensor whose Python object is gone takes the GIL. When the process
@@ -56,14 +57,13 @@ def _destroy_own_group(group: Any) -> None:
     teardown has begun, and CPython then ends it with pthread_exit, whose unwinding through
     torch's C++ frames calls std::terminate: the process aborts at exit ("terminate called
     without an active exception", SIGABRT; pytorch/pytorch#190489; 4 of 62 runs of the 2-rank
-    QAT test on a loaded 2-core machine, 0 of 64 with this handler). Sleeping here, before
-    teardown, releases the GIL so that those threads finish; destroying the group afterwards
-    shuts its backend down. This narrows the race (torch offers no way to wait for the workers'
-    cleanup); it does not close it. A group the caller created (or replaced since) is the
-    caller's to destroy.
+    QAT test on a loaded 2-core machine). Waiting here, before teardown and with the GIL
+    released, until those threads sleep unscheduled (`_gloo_exit`) lets them finish; destroying
+    the group afterwards shuts its backend down. A group the caller created (or replaced since)
+    is the caller's to destroy.
     """
     if dist.is_initialized() and dist.group.WORLD is group:
-        time.sleep(_EXIT_GRACE_S)
+        wait_for_gloo_workers(_EXIT_WAIT_S)
         dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ from miles_transfer._delta_publish import (
     version_dir_name,
 )
 from miles_transfer._digest import tensor_digest
+from miles_transfer._dist_exit import shutdown_process_group, wait_for_gloo_workers
 from miles_transfer._http import HTTPReceiver, ReceiverError
 from miles_transfer._layout import Layout, LocalTensor, ParamSpec, Piece, RankLayout, materialize
 from miles_transfer._layout_megatron import megatron_layout
@@ -152,6 +153,7 @@ __all__ = [
     "serialize_named_tensors",
     "sglang_layout",
     "shard_dim0",
+    "shutdown_process_group",
     "split_layout",
     "src_peer",
     "tensor_digest",
@@ -160,4 +162,5 @@ __all__ = [
     "update_engine_via_disk",
     "verify_delta",
     "version_dir_name",
+    "wait_for_gloo_workers",
 ]
