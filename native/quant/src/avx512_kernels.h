@@ -228,6 +228,17 @@ template <DType D, class F>
 static void fp8_run_v(const typename In<D>::T* x, int64_t n, float s, uint8_t* out) {
   const __m512 vs = _mm512_set1_ps(s);
   int64_t i = 0;
+  if constexpr (D == DType::bf16) {
+    // Even and odd elements (load_bf16_pairs), their byte codes interleaved back lane by lane
+    // and stored as 16-bit pairs: 4 fewer instructions per 32 inputs than widening 16 at a time.
+    for (; i + 32 <= n; i += 32) {
+      __m512 even, odd;
+      simd::load_bf16_pairs(x + i, &even, &odd);
+      const __m512i ce = simd::encode<F, false>(_mm512_div_ps(even, vs));
+      const __m512i co = simd::encode<F, false>(_mm512_div_ps(odd, vs));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(_mm512_or_si512(ce, _mm512_slli_epi32(co, 8))));
+    }
+  }
   for (; i + 32 <= n; i += 32) {
     const __m512 a = _mm512_div_ps(simd::load<D>(x + i, 0xFFFF), vs);
     const __m512 b = _mm512_div_ps(simd::load<D>(x + i + 16, 0xFFFF), vs);
@@ -439,6 +450,37 @@ static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
   }
 }
 
+// ---- E2M1 by one fp32 addition (MXFP4 and NVFP4) ---------------------------------------
+
+// The E2M1 code of |v| (sign not included) for a v that is not NaN: the lane-wise encode<E2M1>
+// of |v| in 7 operations instead of the integer rounding's 11. |v| is clamped to [2^-4, 6]
+// (every magnitude below 0.25 encodes to 0 and every one from 6 up, +Inf included, saturates to
+// 6, so the clamp changes no code) and rounded onto the E2M1 grid by one fp32 addition: the grid
+// step is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], so with M = 2^22, 2^23 or 2^24 picked by
+// the exponent of |v|, |v| + M lies in M's binade, whose ulp is that step; the sum is M plus
+// |v| rounded to nearest, ties to an even multiple of the step (the code's last bit, as RNE
+// wants), and bits(sum) - bits(M) counts the steps. Adding the code of the binade's first grid
+// point (0, 2 or 4 steps were skipped) gives the code: both M and bits(M) - that offset come
+// from 16-entry tables indexed by the low 4 bits of the exponent field (123..129 here). The
+// raw E2M1 cast (encode_run_v) uses it too, so test_elements.py checks it on ties, near-ties
+// and random fp32; during development it matched encode<E2M1> on every non-NaN fp32 pattern.
+static inline __m512i e2m1_magnitude(__m512 v) {
+  constexpr int kM0 = 149 << 23, kM1 = 150 << 23, kM2 = 151 << 23;  // 2^22, 2^23, 2^24
+  const __m512i mtab = _mm512_setr_epi32(kM1, kM2, 0, 0, 0, 0, 0, 0, 0, 0, 0, kM0, kM0, kM0, kM0, kM0);
+  const __m512i ktab = _mm512_setr_epi32(kM1 - 2, kM2 - 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, kM0, kM0, kM0, kM0, kM0);
+  __m512 r = _mm512_range_ps(v, _mm512_set1_ps(0.0625f), 0x0B);  // max(|v|, |2^-4|), sign cleared
+  r = _mm512_min_ps(r, _mm512_set1_ps(E2M1::kMax));
+  const __m512i e = _mm512_srli_epi32(_mm512_castps_si512(r), 23);
+  const __m512 m = _mm512_castsi512_ps(_mm512_permutexvar_epi32(e, mtab));
+  return _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(r, m)), _mm512_permutexvar_epi32(e, ktab));
+}
+
+// The E2M1 code of v (not NaN) with its sign: encode<E2M1, false>.
+static inline __m512i e2m1_code(__m512 v) {
+  const __m512i sign = _mm512_srli_epi32(_mm512_castps_si512(v), 28);
+  return _mm512_ternarylogic_epi32(e2m1_magnitude(v), sign, simd::u32(8), 0xF8);  // a | (b & c)
+}
+
 // ---- MX: 1x32 blocks, E8M0 scales; 16 blocks of a row at a time ----------------------------
 
 // E8M0 codes of 16 block amaxes (fp32 bits, none poisoned): the lane-wise e8m0_code<F>.
@@ -469,6 +511,42 @@ static inline __m512 e8m0_inverses(__m512i code) {
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(v, _mm512_cmpge_epu32_mask(code, simd::u32(254)), simd::u32(0x00400000u)));
 }
 
+// The elements of 16 whole bf16 blocks scaled by mul (lane k: block k's 2^-e), 32 inputs (one
+// block) at a time, split into even and odd elements (two instructions for 32 exact widenings,
+// see load_bf16_pairs); the codes interleave back lane by lane: byte pairs for FP8 elements,
+// nibble pairs for E2M1 (encoded by e2m1_magnitude, 7 operations instead of encode's 13).
+// Branch-free: a poisoned block's codes are overwritten, so that the compiler keeps every
+// constant of the encodes in registers across the loop (a branch per block made GCC rebuild
+// them per block). MXFP4 bf16 in L2: 0.28 -> 0.22 ns per element; MXFP8 0.26 -> 0.24 (Zen 4).
+template <class F, bool kAnyPoisoned>
+static inline void mx_elements512_bf16(const uint16_t* x, __m512 mul, simd::Mask poisoned, uint8_t* out) {
+  constexpr bool kPacked = F::kEbits + F::kMbits == 3;
+  for (int k = 0; k < 16; ++k) {
+    const __m512 f = simd::lane(mul, k);
+    __m512 even, odd;
+    simd::load_bf16_pairs(x + 32 * k, &even, &odd);
+    even = _mm512_mul_ps(even, f);
+    odd = _mm512_mul_ps(odd, f);
+    __m512i w;
+    if constexpr (kPacked) {
+      // x * 2^-e keeps x's sign (zeros included): bits 15 and 31 of a pair to bits 3 and 7.
+      const __m512i sg = _mm512_and_si512(_mm512_loadu_si512(x + 32 * k), simd::u32(0x80008000u));
+      const __m512i sign = _mm512_or_si512(_mm512_srli_epi32(sg, 12), _mm512_srli_epi32(sg, 24));
+      w = _mm512_ternarylogic_epi32(e2m1_magnitude(even), _mm512_slli_epi32(e2m1_magnitude(odd), 4), sign, 0xFE);
+    } else {
+      w = _mm512_or_si512(simd::encode<F, false>(even), _mm512_slli_epi32(simd::encode<F, false>(odd), 8));
+    }
+    if constexpr (kAnyPoisoned) {
+      const simd::Mask pk = static_cast<simd::Mask>(0u - ((poisoned >> k) & 1u));
+      w = _mm512_mask_mov_epi32(w, pk, simd::u32(kPacked ? F::kNanCode * 0x11u : F::kNanCode * 0x101u));
+    }
+    if constexpr (kPacked)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * k), _mm512_cvtepi32_epi8(w));
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * k), _mm512_cvtepi32_epi16(w));
+  }
+}
+
 // 16 whole blocks (512 contiguous inputs): the masked loop below without masks or branches.
 template <DType D, class F>
 static inline void mx_batch512(const typename In<D>::T* x, ScaleRule rule, uint8_t* scales, uint8_t* out) {
@@ -488,6 +566,13 @@ static inline void mx_batch512(const typename In<D>::T* x, ScaleRule rule, uint8
   const __m512i code = _mm512_mask_mov_epi32(e8m0_codes<F>(rule, amax), poisoned, simd::u32(kE8M0Nan));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(code));
   const __m512 mul = e8m0_inverses(code);
+  if constexpr (D == DType::bf16) {
+    if (poisoned == 0)
+      mx_elements512_bf16<F, false>(x, mul, 0, out);
+    else
+      mx_elements512_bf16<F, true>(x, mul, poisoned, out);
+    return;
+  }
   for (int k = 0; k < 16; ++k) {
     __m512i c0 = simd::u32(F::kNanCode), c1 = c0;
     if (!((poisoned >> k) & 1)) {
@@ -570,35 +655,6 @@ static inline __m512i nvfp4_codes(__m512i amax, __m512 sg, __m512 inv, __m512* f
   const __m512 dec = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(code, 20), simd::u32(120u << 23)));
   *factor = _mm512_div_ps(inv, dec);
   return code;
-}
-
-// The E2M1 code of |v| (sign not included) for a v that is not NaN: the lane-wise encode<E2M1>
-// of |v| in 7 operations instead of the integer rounding's 11. |v| is clamped to [2^-4, 6]
-// (every magnitude below 0.25 encodes to 0 and every one from 6 up, +Inf included, saturates to
-// 6, so the clamp changes no code) and rounded onto the E2M1 grid by one fp32 addition: the grid
-// step is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], so with M = 2^22, 2^23 or 2^24 picked by
-// the exponent of |v|, |v| + M lies in M's binade, whose ulp is that step; the sum is M plus
-// |v| rounded to nearest, ties to an even multiple of the step (the code's last bit, as RNE
-// wants), and bits(sum) - bits(M) counts the steps. Adding the code of the binade's first grid
-// point (0, 2 or 4 steps were skipped) gives the code: both M and bits(M) - that offset come
-// from 16-entry tables indexed by the low 4 bits of the exponent field (123..129 here). The
-// raw E2M1 cast (encode_run_v) uses it too, so test_elements.py checks it on ties, near-ties
-// and random fp32; during development it matched encode<E2M1> on every non-NaN fp32 pattern.
-static inline __m512i e2m1_magnitude(__m512 v) {
-  constexpr int kM0 = 149 << 23, kM1 = 150 << 23, kM2 = 151 << 23;  // 2^22, 2^23, 2^24
-  const __m512i mtab = _mm512_setr_epi32(kM1, kM2, 0, 0, 0, 0, 0, 0, 0, 0, 0, kM0, kM0, kM0, kM0, kM0);
-  const __m512i ktab = _mm512_setr_epi32(kM1 - 2, kM2 - 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, kM0, kM0, kM0, kM0, kM0);
-  __m512 r = _mm512_range_ps(v, _mm512_set1_ps(0.0625f), 0x0B);  // max(|v|, |2^-4|), sign cleared
-  r = _mm512_min_ps(r, _mm512_set1_ps(E2M1::kMax));
-  const __m512i e = _mm512_srli_epi32(_mm512_castps_si512(r), 23);
-  const __m512 m = _mm512_castsi512_ps(_mm512_permutexvar_epi32(e, mtab));
-  return _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(r, m)), _mm512_permutexvar_epi32(e, ktab));
-}
-
-// The E2M1 code of v (not NaN) with its sign: encode<E2M1, false>.
-static inline __m512i e2m1_code(__m512 v) {
-  const __m512i sign = _mm512_srli_epi32(_mm512_castps_si512(v), 28);
-  return _mm512_ternarylogic_epi32(e2m1_magnitude(v), sign, simd::u32(8), 0xF8);  // a | (b & c)
 }
 
 // Block amaxes of 16 blocks of 16 halves (bf16 / fp16 |x| bits, which order like the values)
