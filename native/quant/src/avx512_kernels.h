@@ -222,6 +222,50 @@ static inline uint32_t amax_stream(const typename In<D>::T* x, int64_t n) {
 
 }  // namespace simd
 
+// Block amaxes of 16 blocks of 16 halves (bf16 / fp16 |x| bits, which order like the values)
+// given as 8 vectors of 32: h[j] holds block 2j in its low half, block 2j + 1 in its high half.
+// Returns the 16 maxima, block b in lane b, in the low 16 bits of 32-bit lanes (the high bits
+// are not cleared). A transposing reduction on 16-bit lanes: 35 operations for 16 blocks.
+static inline __m512i block16_amax_halves(const __m512i* h) {
+  __m512i w[4], v[2];
+  for (int k = 0; k < 4; ++k) {  // quarter q of w[k]: 8 partial maxima of block 4k + q
+    const __m512i a = h[2 * k], b = h[2 * k + 1];
+    w[k] = _mm512_max_epu16(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
+  }
+  for (int k = 0; k < 2; ++k) {  // quarter q of v[k]: 4 partials of block 8k + q, then of 8k + 4 + q
+    const __m512i a = w[2 * k], b = w[2 * k + 1];
+    v[k] = _mm512_max_epu16(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+  }
+  // Pairs of 32-bit words within each quarter hold one block: fold them, then interleave the two
+  // vectors so that quarter q holds blocks q, 8 + q, 4 + q, 12 + q (two partials each).
+  const __m512i v0 = _mm512_max_epu16(v[0], _mm512_shuffle_epi32(v[0], _MM_PERM_CDAB));
+  const __m512i v1 = _mm512_max_epu16(v[1], _mm512_shuffle_epi32(v[1], _MM_PERM_CDAB));
+  __m512i z = _mm512_mask_blend_epi32(0xAAAA, v0, v1);
+  z = _mm512_max_epu16(z, _mm512_srli_epi32(z, 16));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+  return _mm512_permutexvar_epi32(order, z);
+}
+
+// Lane k = the amax bits (fp32) of acc[k], for 16 accumulators of |x| bits as acc_abs leaves
+// them (16 fp32 lanes, or 32 bf16 / fp16 lanes). Half-width accumulators fold pairwise into
+// block16_amax_halves' layout (3 operations a pair) and reduce on 16-bit lanes: 59 operations
+// instead of 112 for widening each (amax_lanes) and reduce16.
+template <DType D>
+static inline __m512i amax16(const __m512i* acc) {
+  if constexpr (D == DType::f32) {
+    return simd::reduce16(acc);
+  } else {
+    __m512i h[8];
+    for (int j = 0; j < 8; ++j) {
+      const __m512i a = acc[2 * j], b = acc[2 * j + 1];
+      h[j] = _mm512_max_epu16(_mm512_shuffle_i32x4(a, b, 0x44), _mm512_shuffle_i32x4(a, b, 0xEE));
+    }
+    const __m512i h16 = block16_amax_halves(h);
+    if constexpr (D == DType::bf16) return _mm512_slli_epi32(h16, 16);
+    return _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h16)));  // exact; NaN stays above Inf
+  }
+}
+
 // ---- FP8 ----------------------------------------------------------------------------------
 
 template <DType D, class F>
@@ -271,6 +315,27 @@ static void fp8_flat_v(const Fp8Args& a, int64_t begin, int64_t n, uint32_t amax
     fp8_run_v<D, F>(x + i, kStep, s, a.out + begin + i);
   }
   fp8_run_v<D, F>(x + i, n - i, s, a.out + begin + i);
+}
+
+// nb whole bf16 tiles of one row, tc (a multiple of 32) inputs each, tile k divided by s[k]:
+// fp8_run_v's bf16 loop for all of them in one branch-free loop (a poisoned tile's codes are
+// overwritten), so that the encode's constants stay in registers across tiles instead of being
+// rebuilt per call (1x128 bf16 in L2 on Zen 4: 0.245 -> 0.23 ns per element).
+template <class F>
+static inline void fp8_tiles_row_bf16(const uint16_t* x, int64_t nb, int64_t tc, const float* s, simd::Mask poisoned, uint8_t* out) {
+  const __m512i nan_pair = simd::u32(F::kNanCode * 0x101u);
+  for (int64_t k = 0; k < nb; ++k) {
+    const __m512 vs = _mm512_set1_ps(s[k]);
+    const simd::Mask pk = static_cast<simd::Mask>(0u - ((poisoned >> k) & 1u));
+    for (int64_t i = k * tc; i < (k + 1) * tc; i += 32) {
+      __m512 even, odd;
+      simd::load_bf16_pairs(x + i, &even, &odd);
+      const __m512i ce = simd::encode<F, false>(_mm512_div_ps(even, vs));
+      const __m512i co = simd::encode<F, false>(_mm512_div_ps(odd, vs));
+      const __m512i w = _mm512_mask_mov_epi32(_mm512_or_si512(ce, _mm512_slli_epi32(co, 8)), pk, nan_pair);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(w));
+    }
+  }
 }
 
 // Software prefetch of lines [b0, b1) of p into L1. On the project's VMs the hardware
@@ -364,7 +429,7 @@ static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
     fp8_bands_v<D, F>(a, t0, t1);
     return;
   }
-  constexpr int64_t kW = 4, kAhead = 4;
+  constexpr int64_t kW = 16, kAhead = 4;
   using T = typename In<D>::T;
   constexpr int64_t kSize = static_cast<int64_t>(sizeof(T));
   const auto* x = static_cast<const T*>(a.x);
@@ -410,10 +475,7 @@ static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
   simd::Mask poisoned = 0;
   // The scales of chunk c from acc (all its rows seen): stored, and kept in s / poisoned.
   const auto finish = [&](const Chunk& c) {
-    __m512i m[16];
-    for (int64_t k = 0; k < 16; ++k) m[k] = _mm512_setzero_si512();
-    for (int64_t k = 0; k < c.nb && k < kW; ++k) m[k] = simd::amax_lanes<D>(acc[k]);
-    const __m512i amax = simd::reduce16(m);
+    const __m512i amax = amax16<D>(acc);  // tiles past c.nb: zero accumulators
     poisoned = _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits));
     __m512 sv = _mm512_max_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(kAmaxMin));
     sv = _mm512_div_ps(sv, _mm512_set1_ps(F::kMax));
@@ -423,6 +485,12 @@ static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
   };
   const auto cast_row = [&](const Chunk& c, int64_t i) {
     const int64_t r = c.r0 + i;
+    if constexpr (D == DType::bf16) {
+      if (tc % 32 == 0 && c.ce - c.cb == c.nb * tc) {  // whole tiles: one branch-free loop
+        fp8_tiles_row_bf16<F>(x + r * C + c.cb, c.nb, tc, s, poisoned, a.out + r * C + c.cb);
+        return;
+      }
+    }
     for (int64_t k = 0; k < c.nb; ++k) {
       const int64_t c0 = c.cb + k * tc, n = lo(C, c0 + tc) - c0;
       if ((poisoned >> k) & 1)
@@ -553,15 +621,18 @@ static inline void mx_batch512(const typename In<D>::T* x, ScaleRule rule, uint8
   constexpr bool kPacked = F::kEbits + F::kMbits == 3;
   const char* ahead = reinterpret_cast<const char*>(x) + simd::kPrefetchAhead;
   for (int64_t b = 0; b < 512 * static_cast<int64_t>(sizeof(*x)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-  __m512i m[16];
-  for (int k = 0; k < 16; ++k) {
-    if constexpr (D == DType::f32) {
+  __m512i amax;
+  if constexpr (D == DType::f32) {
+    __m512i m[16];
+    for (int k = 0; k < 16; ++k)
       m[k] = _mm512_max_epu32(simd::abs_bits(_mm512_loadu_ps(x + 32 * k)), simd::abs_bits(_mm512_loadu_ps(x + 32 * k + 16)));
-    } else {  // a block is one vector of 32 halves
-      m[k] = simd::amax_lanes<D>(_mm512_and_si512(_mm512_loadu_si512(x + 32 * k), _mm512_set1_epi16(0x7FFF)));
-    }
+    amax = simd::reduce16(m);
+  } else {
+    // A block is one vector of 32 halves (76 operations for the 16 amaxes, see amax16).
+    __m512i m[16];
+    for (int k = 0; k < 16; ++k) m[k] = _mm512_and_si512(_mm512_loadu_si512(x + 32 * k), _mm512_set1_epi16(0x7FFF));
+    amax = amax16<D>(m);
   }
-  const __m512i amax = simd::reduce16(m);
   const simd::Mask poisoned = _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits));
   const __m512i code = _mm512_mask_mov_epi32(e8m0_codes<F>(rule, amax), poisoned, simd::u32(kE8M0Nan));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(code));
@@ -655,30 +726,6 @@ static inline __m512i nvfp4_codes(__m512i amax, __m512 sg, __m512 inv, __m512* f
   const __m512 dec = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(code, 20), simd::u32(120u << 23)));
   *factor = _mm512_div_ps(inv, dec);
   return code;
-}
-
-// Block amaxes of 16 blocks of 16 halves (bf16 / fp16 |x| bits, which order like the values)
-// given as 8 vectors of 32: h[j] holds block 2j in its low half, block 2j + 1 in its high half.
-// Returns the 16 maxima, block b in lane b, in the low 16 bits of 32-bit lanes (the high bits
-// are not cleared). A transposing reduction on 16-bit lanes: 35 operations for 16 blocks.
-static inline __m512i block16_amax_halves(const __m512i* h) {
-  __m512i w[4], v[2];
-  for (int k = 0; k < 4; ++k) {  // quarter q of w[k]: 8 partial maxima of block 4k + q
-    const __m512i a = h[2 * k], b = h[2 * k + 1];
-    w[k] = _mm512_max_epu16(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
-  }
-  for (int k = 0; k < 2; ++k) {  // quarter q of v[k]: 4 partials of block 8k + q, then of 8k + 4 + q
-    const __m512i a = w[2 * k], b = w[2 * k + 1];
-    v[k] = _mm512_max_epu16(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
-  }
-  // Pairs of 32-bit words within each quarter hold one block: fold them, then interleave the two
-  // vectors so that quarter q holds blocks q, 8 + q, 4 + q, 12 + q (two partials each).
-  const __m512i v0 = _mm512_max_epu16(v[0], _mm512_shuffle_epi32(v[0], _MM_PERM_CDAB));
-  const __m512i v1 = _mm512_max_epu16(v[1], _mm512_shuffle_epi32(v[1], _MM_PERM_CDAB));
-  __m512i z = _mm512_mask_blend_epi32(0xAAAA, v0, v1);
-  z = _mm512_max_epu16(z, _mm512_srli_epi32(z, 16));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
-  return _mm512_permutexvar_epi32(order, z);
 }
 
 // 1x16, 16 whole blocks (256 contiguous inputs), no masks, in two halves so that the caller
