@@ -268,14 +268,26 @@ static inline __m512i amax16(const __m512i* acc) {
 
 // ---- FP8 ----------------------------------------------------------------------------------
 
-template <DType D, class F>
+// x / s encoded, n inputs. kPrefetch: also request the lines kPrefetchAhead bytes ahead, 256
+// bytes at a time (a long stream from memory).
+template <DType D, class F, bool kPrefetch = false>
 static void fp8_run_v(const typename In<D>::T* x, int64_t n, float s, uint8_t* out) {
+  constexpr int64_t kSize = static_cast<int64_t>(sizeof(*x));
+  const auto prefetch = [&](int64_t i) {
+    if constexpr (kPrefetch) {
+      if (((i * kSize) & 255) == 0) {
+        const char* ahead = reinterpret_cast<const char*>(x + i) + simd::kPrefetchAhead;
+        for (int64_t k = 0; k < 256; k += 64) _mm_prefetch(ahead + k, _MM_HINT_T0);
+      }
+    }
+  };
   const __m512 vs = _mm512_set1_ps(s);
   int64_t i = 0;
   if constexpr (D == DType::bf16) {
     // Even and odd elements (load_bf16_pairs), their byte codes interleaved back lane by lane
     // and stored as 16-bit pairs: 4 fewer instructions per 32 inputs than widening 16 at a time.
     for (; i + 32 <= n; i += 32) {
+      prefetch(i);
       __m512 even, odd;
       simd::load_bf16_pairs(x + i, &even, &odd);
       const __m512i ce = simd::encode<F, false>(_mm512_div_ps(even, vs));
@@ -284,6 +296,7 @@ static void fp8_run_v(const typename In<D>::T* x, int64_t n, float s, uint8_t* o
     }
   }
   for (; i + 32 <= n; i += 32) {
+    prefetch(i);
     const __m512 a = _mm512_div_ps(simd::load<D>(x + i, 0xFFFF), vs);
     const __m512 b = _mm512_div_ps(simd::load<D>(x + i + 16, 0xFFFF), vs);
     simd::store_bytes(out + i, simd::encode<F, false>(a), 0xFFFF);
@@ -303,28 +316,27 @@ static void fp8_flat_v(const Fp8Args& a, int64_t begin, int64_t n, uint32_t amax
     return;
   }
   // The tensor-level scale is known only after a whole amax pass, so this pass streams its
-  // input from memory again: cast 256 bytes at a time with the lines kPrefetchAhead bytes
-  // ahead requested, as the amax pass does.
-  using T = typename In<D>::T;
-  constexpr int64_t kStep = 256 / static_cast<int64_t>(sizeof(T));
-  const float s = fp8_scale<F>(bits_f32(amax));
-  int64_t i = 0;
-  for (; i + kStep <= n; i += kStep) {
-    const char* ahead = reinterpret_cast<const char*>(x + i) + simd::kPrefetchAhead;
-    for (int64_t k = 0; k < 256; k += 64) _mm_prefetch(ahead + k, _MM_HINT_T0);
-    fp8_run_v<D, F>(x + i, kStep, s, a.out + begin + i);
-  }
-  fp8_run_v<D, F>(x + i, n - i, s, a.out + begin + i);
+  // input from memory again, with the lines kPrefetchAhead bytes ahead requested, as the amax
+  // pass does: one call, so that the encode's constants are set up once.
+  fp8_run_v<D, F, true>(x, n, fp8_scale<F>(bits_f32(amax)), a.out + begin);
+}
+
+// Software prefetch of lines [b0, b1) of p into L1. On the project's VMs the hardware
+// prefetchers leave a single-threaded streaming kernel waiting on memory about half of the
+// time: a cast of 112 MiB of bf16 ran at 0.52 ns per element without and 0.24 with prefetches.
+static inline void prefetch_lines(const void* p, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
 }
 
 // nb whole bf16 tiles of one row, tc (a multiple of 32) inputs each, tile k divided by s[k]:
 // fp8_run_v's bf16 loop for all of them in one branch-free loop (a poisoned tile's codes are
 // overwritten), so that the encode's constants stay in registers across tiles instead of being
-// rebuilt per call (1x128 bf16 in L2 on Zen 4: 0.245 -> 0.23 ns per element).
-template <class F>
+// rebuilt per call. kPrefetch: request each tile's lines kPrefetchAhead bytes ahead first.
+template <class F, bool kPrefetch>
 static inline void fp8_tiles_row_bf16(const uint16_t* x, int64_t nb, int64_t tc, const float* s, simd::Mask poisoned, uint8_t* out) {
   const __m512i nan_pair = simd::u32(F::kNanCode * 0x101u);
   for (int64_t k = 0; k < nb; ++k) {
+    if constexpr (kPrefetch) prefetch_lines(reinterpret_cast<const char*>(x + k * tc) + simd::kPrefetchAhead, 0, tc * 2);
     const __m512 vs = _mm512_set1_ps(s[k]);
     const simd::Mask pk = static_cast<simd::Mask>(0u - ((poisoned >> k) & 1u));
     for (int64_t i = k * tc; i < (k + 1) * tc; i += 32) {
@@ -336,13 +348,6 @@ static inline void fp8_tiles_row_bf16(const uint16_t* x, int64_t nb, int64_t tc,
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(w));
     }
   }
-}
-
-// Software prefetch of lines [b0, b1) of p into L1. On the project's VMs the hardware
-// prefetchers leave a single-threaded streaming kernel waiting on memory about half of the
-// time: a cast of 112 MiB of bf16 ran at 0.52 ns per element without and 0.24 with prefetches.
-static inline void prefetch_lines(const void* p, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
 }
 
 // FP8 tiles taller than one row (128x128) of tile rows [t0, t1), one band of rows (a tile row,
@@ -388,8 +393,8 @@ static void fp8_bands_v(const Fp8Args& a, int64_t t0, int64_t t1) {
       for (int64_t k0 = 0; k0 < nb; k0 += 16) {
         const int64_t m16 = lo(16, nb - k0);
         __m512i m[16];
-        for (int64_t k = 0; k < 16; ++k) m[k] = k < m16 ? simd::amax_lanes<D>(acc[k0 + k]) : _mm512_setzero_si512();
-        const __m512i amax = simd::reduce16(m);
+        for (int64_t k = 0; k < 16; ++k) m[k] = k < m16 ? acc[k0 + k] : _mm512_setzero_si512();
+        const __m512i amax = amax16<D>(m);
         const simd::Mask bad = _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits));
         __m512 sv = _mm512_max_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(kAmaxMin));
         sv = _mm512_div_ps(sv, _mm512_set1_ps(F::kMax));
@@ -398,7 +403,18 @@ static void fp8_bands_v(const Fp8Args& a, int64_t t0, int64_t t1) {
         _mm512_storeu_ps(s + k0, sv);
         poisoned[k0 / 16] = bad;
       }
+      const int64_t cb = j0 * tc;
+      const bool whole = D == DType::bf16 && tc % 32 == 0 && lo(C, cb + nb * tc) - cb == nb * tc;
       for (int64_t r = r0; r < r1; ++r) {
+        if constexpr (D == DType::bf16) {
+          if (whole) {  // one branch-free loop per 16 tiles of the row (fp8_tiles_row_bf16)
+            for (int64_t k0 = 0; k0 < nb; k0 += 16) {
+              const int64_t c0 = cb + k0 * tc;
+              fp8_tiles_row_bf16<F, true>(x + r * C + c0, lo(16, nb - k0), tc, s + k0, poisoned[k0 / 16], a.out + r * C + c0);
+            }
+            continue;
+          }
+        }
         for (int64_t k = 0; k < nb; ++k) {
           const int64_t c0 = (j0 + k) * tc, n = lo(C, c0 + tc) - c0;
           const T* p = x + r * C + c0;
@@ -487,7 +503,7 @@ static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
     const int64_t r = c.r0 + i;
     if constexpr (D == DType::bf16) {
       if (tc % 32 == 0 && c.ce - c.cb == c.nb * tc) {  // whole tiles: one branch-free loop
-        fp8_tiles_row_bf16<F>(x + r * C + c.cb, c.nb, tc, s, poisoned, a.out + r * C + c.cb);
+        fp8_tiles_row_bf16<F, false>(x + r * C + c.cb, c.nb, tc, s, poisoned, a.out + r * C + c.cb);
         return;
       }
     }
