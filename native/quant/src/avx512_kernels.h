@@ -445,7 +445,7 @@ static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
     fp8_bands_v<D, F>(a, t0, t1);
     return;
   }
-  constexpr int64_t kW = 16, kAhead = 4;
+  constexpr int64_t kW = 4, kAhead = 4;
   using T = typename In<D>::T;
   constexpr int64_t kSize = static_cast<int64_t>(sizeof(T));
   const auto* x = static_cast<const T*>(a.x);
@@ -491,7 +491,9 @@ static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
   simd::Mask poisoned = 0;
   // The scales of chunk c from acc (all its rows seen): stored, and kept in s / poisoned.
   const auto finish = [&](const Chunk& c) {
-    const __m512i amax = amax16<D>(acc);  // tiles past c.nb: zero accumulators
+    __m512i m16[16];  // acc's kW tiles (past c.nb: zero accumulators), then zeros
+    for (int64_t k = 0; k < 16; ++k) m16[k] = k < kW ? acc[k] : _mm512_setzero_si512();
+    const __m512i amax = amax16<D>(m16);
     poisoned = _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits));
     __m512 sv = _mm512_max_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(kAmaxMin));
     sv = _mm512_div_ps(sv, _mm512_set1_ps(F::kMax));
