@@ -636,7 +636,7 @@ static inline void mx_elements512_bf16(const uint16_t* x, __m512 mul, simd::Mask
 // MXFP4 elements of 16 whole bf16 blocks on 16-bit lanes, 32 inputs per instruction instead of
 // 16. For E8M0 codes of at least 3 it gives mx_elements512_bf16's bytes exactly (every non-NaN,
 // non-Inf bf16 input whose scaled magnitude is below 2^(emax + 1) = 8, as every input of a block
-// is under every scale rule, against every code 3..254: tools/bench/quant_mx4_16bit_probe.cpp):
+// is under every scale rule, against every code 3..254: tools/bench/quant_mx_16bit_probe.cpp):
 // - |x| * 2^(127 - code) is an exact power-of-two scaling, so it is an addition to the bf16
 //   exponent field; a result below the normal range (a negative or small field) and a bf16
 //   subnormal input (whose "exponent" the addition makes up) both stand for a magnitude below
@@ -669,6 +669,50 @@ static inline void mx4_elements512_bf16_h(const uint16_t* x, __m512i code, simd:
   }
 }
 
+// The smallest E8M0 code for which mx_elements512_bf16_h is exact: 2 - emin + M (3 for E2M1,
+// 11 for E4M3, 18 for E5M2). Below it a bf16 subnormal input, whose exponent field the 16-bit
+// path would make up, could scale to a non-zero code.
+template <class F>
+constexpr uint32_t kMx16MinCode = static_cast<uint32_t>(2 + (F::kBias - 1) + F::kMbits);
+
+// MXFP8 (E4M3, E5M2) elements of 16 whole bf16 blocks on 16-bit lanes, for E8M0 codes of at
+// least kMx16MinCode<F>: the same bytes as mx_elements512_bf16 (every non-NaN, non-Inf bf16
+// input a block can hold, every code: tools/bench/quant_mx_16bit_probe.cpp). |x| * 2^(127 -
+// code) is an addition to the bf16 exponent field (see mx4_elements512_bf16_h for why an
+// underflowed field or a subnormal input is harmless); normal targets round on the integer bits
+// (encode's integer path on 16 bits); magnitudes up to half the smallest subnormal step encode
+// to 0. A block holding a magnitude between that and the smallest normal (a subnormal target:
+// |x| within about 2^-18..2^-14 of the block amax, rare) is encoded again by the fp32 path.
+template <class F>
+static inline void mx8_elements512_bf16_h(const uint16_t* x, __m512i code, __m512 mul, simd::Mask poisoned, uint8_t* out) {
+  constexpr int kShift = 7 - F::kMbits, kEmin = 1 - F::kBias;
+  constexpr int kMinNormal = (127 + kEmin) << 7, kZeroMax = (127 + kEmin - F::kMbits - 1) << 7;
+  constexpr int kRound = ((1 << (kShift - 1)) - 1) - ((127 - F::kBias) << 7);
+  const __m512i delta = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(simd::u32(127), code), 7), simd::u32(0xFFFF));
+  const __m512i d16 = _mm512_or_si512(delta, _mm512_slli_epi32(delta, 16));  // lane k: block k's delta, twice
+  const __m512i one = _mm512_set1_epi16(1);
+  for (int k = 0; k < 16; ++k) {
+    const __m512i v = _mm512_loadu_si512(x + 32 * k);
+    const __m512i u = _mm512_and_si512(v, simd::u32(0x7FFF7FFFu));
+    const __m512i dk = _mm512_permutexvar_epi32(_mm512_set1_epi32(k), d16);
+    const __m512i r = _mm512_mask_add_epi16(u, _mm512_test_epi16_mask(u, u), u, dk);
+    __m512i c = _mm512_add_epi16(_mm512_add_epi16(r, _mm512_set1_epi16(static_cast<short>(kRound))), _mm512_and_si512(_mm512_srli_epi16(r, kShift), one));
+    c = _mm512_min_epu16(_mm512_srli_epi16(c, kShift), _mm512_set1_epi16(static_cast<short>(F::kMaxCode)));
+    c = _mm512_maskz_mov_epi16(_mm512_cmpge_epi16_mask(r, _mm512_set1_epi16(static_cast<short>(kMinNormal))), c);
+    c = _mm512_ternarylogic_epi32(c, _mm512_srli_epi16(v, 8), _mm512_set1_epi16(0x80), 0xF8);  // sign to bit 7
+    const __mmask32 sub = _mm512_cmpgt_epi16_mask(r, _mm512_set1_epi16(static_cast<short>(kZeroMax))) &
+                          _mm512_cmplt_epi16_mask(r, _mm512_set1_epi16(static_cast<short>(kMinNormal)));
+    if (__builtin_expect(sub != 0, 0)) {
+      __m512 even, odd;
+      simd::load_bf16_pairs(x + 32 * k, &even, &odd);
+      const __m512 f = simd::lane(mul, k);
+      c = _mm512_or_si512(simd::encode<F, false>(_mm512_mul_ps(even, f)), _mm512_slli_epi32(simd::encode<F, false>(_mm512_mul_ps(odd, f)), 16));
+    }
+    c = _mm512_mask_mov_epi32(c, static_cast<simd::Mask>(0u - ((poisoned >> k) & 1u)), simd::u32(F::kNanCode * 0x10001u));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * k), _mm512_cvtepi16_epi8(c));  // 16-bit codes to bytes
+  }
+}
+
 // 16 whole blocks (512 contiguous inputs): the masked loop below without masks or branches.
 template <DType D, class F>
 static inline void mx_batch512(const typename In<D>::T* x, ScaleRule rule, uint8_t* scales, uint8_t* out) {
@@ -692,11 +736,12 @@ static inline void mx_batch512(const typename In<D>::T* x, ScaleRule rule, uint8
   _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(code));
   const __m512 mul = e8m0_inverses(code);
   if constexpr (D == DType::bf16) {
-    if constexpr (kPacked) {
-      if (_mm512_cmplt_epu32_mask(code, simd::u32(3)) == 0) {  // no block scale above 2^124
+    if (_mm512_cmplt_epu32_mask(code, simd::u32(kMx16MinCode<F>)) == 0) {  // 16-bit lanes
+      if constexpr (kPacked)
         mx4_elements512_bf16_h(x, code, poisoned, out);
-        return;
-      }
+      else
+        mx8_elements512_bf16_h<F>(x, code, mul, poisoned, out);
+      return;
     }
     if (poisoned == 0)
       mx_elements512_bf16<F, false>(x, mul, 0, out);

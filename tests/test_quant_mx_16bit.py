@@ -1,10 +1,11 @@
-"""miles-quant's 16-bit-lane MXFP4 path equals its fp32 path on every input it can meet.
+"""miles-quant's 16-bit-lane MX paths equal its fp32 path on every input they can meet.
 
-The AVX-512 kernel quantizes whole bf16 MXFP4 blocks on 16-bit lanes when every E8M0 code of a
-batch is at least 3 (native/quant/src/avx512_kernels.h, mx4_elements512_bf16_h). The package's
-own tests compare quantize() with the PyTorch reference on chosen and random blocks; this one
-builds and runs tools/bench/quant_mx4_16bit_probe.cpp, which checks the path byte for byte
-against the fp32 path for every non-NaN bf16 input and every code 3..254 (16.5 million codes).
+The AVX-512 kernel quantizes whole bf16 MX blocks (MXFP4, MXFP8 E4M3 and E5M2) on 16-bit lanes
+when every E8M0 code of a batch is at least 3, 11 or 18 (native/quant/src/avx512_kernels.h,
+mx4_elements512_bf16_h and mx8_elements512_bf16_h). The package's own tests compare quantize()
+with the PyTorch reference on chosen and random blocks; this one builds and runs
+tools/bench/quant_mx_16bit_probe.cpp, which checks both paths byte for byte against the fp32
+path for every non-NaN bf16 input and every code from those minima to 254 (79.6 million bytes).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ROOT / "tools" / "bench" / "quant_mx4_16bit_probe.cpp"
+PROBE = ROOT / "tools" / "bench" / "quant_mx_16bit_probe.cpp"
 NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 
@@ -31,7 +32,7 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def test_16bit_mxfp4_path_equals_the_fp32_path_exhaustively(tmp_path: Path) -> None:
+def test_16bit_mx_paths_equal_the_fp32_path_exhaustively(tmp_path: Path) -> None:
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
@@ -46,4 +47,4 @@ def test_16bit_mxfp4_path_equals_the_fp32_path_exhaustively(tmp_path: Path) -> N
     )  # fmt: skip
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "mismatching bytes: 0 of 16515072" in proc.stdout, proc.stdout
+    assert "mismatching bytes: 0 of 79560704" in proc.stdout, proc.stdout

@@ -1,0 +1,92 @@
+// Exhaustive proof behind miles-quant's 16-bit-lane MX paths (mx4_elements512_bf16_h and
+// mx8_elements512_bf16_h in native/quant/src/avx512_kernels.h): for every E8M0 code from
+// kMx16MinCode (3 for E2M1, 11 for E4M3, 18 for E5M2) to 254 and every non-NaN, non-Inf bf16
+// input a block with that code can hold (|x| * 2^(127 - code) < 2^(emax + 1), true of every
+// input of a block under every scale rule), their bytes equal the fp32 path's
+// (mx_elements512_bf16, itself tested against the PyTorch reference), plus a poisoned mask.
+// Also times the MXFP4 elements both ways in L1. Run by tests/test_quant_mx_16bit.py; by hand:
+//
+//   g++ -O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512dq -ffp-contract=off \
+//       -Inative/quant/include -Inative/quant/src tools/bench/quant_mx_16bit_probe.cpp \
+//       -o /tmp/mx4probe && /tmp/mx4probe
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+#define MQ_CPU_NS avx512
+#include "miles_quant/cpu_kernels.h"
+#include "avx512_kernels.h"
+using namespace miles_quant;
+using namespace miles_quant::cpu::avx512;
+
+// Bytes of the 16-bit path that differ from the fp32 path, over every non-NaN, non-Inf bf16 input
+// (a poisoned block's codes are overwritten either way: checked with a poisoned mask too) and
+// every code from kMx16MinCode<F> to 254; inputs a block with that code cannot hold (|x| *
+// 2^(127 - code) >= 2^(emax + 1)) are replaced by +0.
+template <class F>
+uint64_t check(const char* name, uint64_t* checked) {
+  constexpr bool kPacked = F::kEbits + F::kMbits == 3;
+  constexpr size_t kBytes = kPacked ? 256 : 512;
+  std::vector<uint16_t> all;
+  for (uint32_t b = 0; b < 65536; ++b)
+    if ((b & 0x7F80) != 0x7F80) all.push_back(static_cast<uint16_t>(b));
+  while (all.size() % 512) all.push_back(0);
+  std::vector<uint8_t> want(kBytes), got(kBytes);
+  uint64_t bad = 0;
+  for (uint32_t cd = kMx16MinCode<F>; cd <= 254; ++cd) {
+    std::vector<uint16_t> xs(all);
+    for (auto& y : xs)
+      if (((y >> 7) & 0xFF) > cd + F::kEmax) y = 0;
+    const __m512i code = simd::u32(cd);
+    const __m512 mul = e8m0_inverses(code);
+    for (size_t i = 0; i < xs.size(); i += 512) {
+      for (simd::Mask poisoned : {simd::Mask{0}, simd::Mask{0x8421}}) {
+        if (poisoned)
+          mx_elements512_bf16<F, true>(&xs[i], mul, poisoned, want.data());
+        else
+          mx_elements512_bf16<F, false>(&xs[i], mul, 0, want.data());
+        if constexpr (kPacked)
+          mx4_elements512_bf16_h(&xs[i], code, poisoned, got.data());
+        else
+          mx8_elements512_bf16_h<F>(&xs[i], code, mul, poisoned, got.data());
+        *checked += kBytes;
+        for (size_t j = 0; j < kBytes; ++j)
+          if (want[j] != got[j] && bad++ < 10)
+            std::printf("%s code %u byte %zu of inputs from %04x: fp32 path %02x, 16-bit path %02x\n", name, cd, j, xs[i], want[j], got[j]);
+      }
+    }
+  }
+  return bad;
+}
+
+int main() {
+  uint64_t checked = 0;
+  const uint64_t bad = check<E2M1>("mxfp4", &checked) + check<E4M3>("mxfp8_e4m3", &checked) + check<E5M2>("mxfp8_e5m2", &checked);
+  std::printf("mismatching bytes: %llu of %llu (all non-NaN bf16 inputs x E8M0 codes, three formats)\n",
+              static_cast<unsigned long long>(bad), static_cast<unsigned long long>(checked));
+  std::vector<uint8_t> want(256), got(256);
+  std::vector<uint16_t> t(512);
+  for (int i = 0; i < 512; ++i) t[i] = static_cast<uint16_t>(0x3f00 + (i * 37 % 300) + ((i & 1) << 15));
+  const __m512i code = simd::u32(127);
+  const __m512 mul = e8m0_inverses(code);
+  for (int r = 0; r < 3; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int n = 0; n < 100000; ++n) {
+      mx_elements512_bf16<E2M1, false>(t.data(), mul, 0, want.data());
+      asm volatile("" ::: "memory");
+    }
+    const auto t1 = std::chrono::steady_clock::now();
+    for (int n = 0; n < 100000; ++n) {
+      mx4_elements512_bf16_h(t.data(), code, 0, got.data());
+      asm volatile("" ::: "memory");
+    }
+    const auto t2 = std::chrono::steady_clock::now();
+    const double d = 100000.0 * 512 / 1e9;
+    std::printf("elements in L1: fp32 path %.3f, 16-bit path %.3f ns/el\n",
+                std::chrono::duration<double>(t1 - t0).count() / d, std::chrono::duration<double>(t2 - t1).count() / d);
+  }
+  return bad == 0 ? 0 : 1;
+}
