@@ -351,6 +351,72 @@ def test_commit_waits_for_every_sync_and_a_failed_sync_fails_the_step(
     opt.close()
 
 
+def _child_holding_the_lock(seconds: float) -> subprocess.Popen[bytes]:
+    """A process that shares this process's open lock (as a child forked a moment ago does until
+    its at-fork hook has run) and keeps it `seconds`: exec'd with the lock's descriptor."""
+    from miles_offload import _store
+
+    (lock,) = [f for f in list(_store._LOCKS) if not f.closed]
+    code = f"import time; time.sleep({seconds})"
+    return subprocess.Popen([sys.executable, "-c", code], pass_fds=(lock.fileno(),))
+
+
+def test_a_lock_a_child_still_shares_is_waited_for(tmp_path: Path) -> None:
+    # Right after fork() the child shares the parent's lock until its at-fork hook closes its
+    # copy; a parent that closes its optimizer and reopens the directory at once must wait for
+    # that, not report the directory in use by itself.
+    params = make_params()
+    opt = _nvme(params, tmp_path)
+    run(params, opt, range(1))
+    t0 = time.monotonic()
+    child = _child_holding_the_lock(0.5)
+    try:
+        opt.close()
+        again = _nvme(params, tmp_path, resume=True)
+        # The child holds the lock for its whole 0.5 s sleep: opening earlier was impossible.
+        assert time.monotonic() - t0 >= 0.5
+        again.close()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_child_that_keeps_the_lock_is_named_after_the_wait(tmp_path: Path, monkeypatch) -> None:
+    from miles_offload import _store
+
+    monkeypatch.setattr(_store, "_INHERITED_LOCK_WAIT_S", 0.2)
+    params = make_params()
+    opt = _nvme(params, tmp_path)
+    child = _child_holding_the_lock(60)
+    try:
+        opt.close()
+        with pytest.raises(RuntimeError, match="locked by a process forked from this one"):
+            _nvme(params, tmp_path, resume=True)
+    finally:
+        child.kill()
+        child.wait()
+    _nvme(params, tmp_path, resume=True).close()  # free again once the child is gone
+
+
+def test_a_second_optimizer_in_this_process_is_refused_without_waiting(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from miles_offload import _store
+
+    def no_wait(seconds: float) -> None:
+        raise AssertionError("waited for a lock this process's own optimizer holds")
+
+    params = make_params()
+    opt = _nvme(params, tmp_path)
+    monkeypatch.setattr(_store.time, "sleep", no_wait)
+    try:
+        with pytest.raises(RuntimeError, match="in use by another miles_offload optimizer"):
+            _nvme(params, tmp_path)
+    finally:
+        monkeypatch.undo()
+        opt.close()
+
+
 def test_forked_children_do_not_keep_the_directory_locked(tmp_path: Path) -> None:
     # A DataLoader worker forked while the optimizer is open must not hold its lock: after
     # the parent's close(), a new optimizer on the directory opens while the child lives.

@@ -27,6 +27,7 @@ import json
 import os
 import queue
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -65,18 +66,48 @@ def _close_locks_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_close_locks_in_child)
 
+# How long a lock that names this very process, while this process holds no open lock on the
+# directory, is waited for: that is a child forked a moment ago that has not yet run its at-fork
+# hook (it shares the parent's lock until then).
+_INHERITED_LOCK_WAIT_S = 2.0
+
+
+def _inherited(path: Path, holder: str) -> bool:
+    """The lock on `path` names this process, yet none of its open locks is on `path`: only a
+    forked child can hold it (a copy it has not closed yet)."""
+    if holder != str(os.getpid()):
+        return False
+    lock = os.path.abspath(path / LOCK_FILE)
+    return not any(not g.closed and os.path.abspath(g.name) == lock for g in list(_LOCKS))
+
 
 def _lock_dir(path: Path) -> IO[str]:
     """Hold an exclusive lock on ``path`` (flock on ``path/.lock``, which names the holder's
     pid) for as long as the returned file stays open: two optimizers writing the same state
     directory would overwrite each other's slots and manifest."""
     f = open(path / LOCK_FILE, "a+")  # noqa: SIM115 (kept open: it is the lock)
+    deadline = time.monotonic() + _INHERITED_LOCK_WAIT_S
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                if _inherited(path, holder) and time.monotonic() < deadline:
+                    time.sleep(0.01)  # a forked child still shares our closed lock: wait
+                    continue
+                raise
     except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
         f.close()
+        if _inherited(path, holder):
+            raise RuntimeError(
+                f"{path} is locked by a process forked from this one (pid {holder} is this "
+                f"process): it kept a copy of the lock for over {_INHERITED_LOCK_WAIT_S} s "
+                "after the optimizer that owned it was closed. Let that child exit, or pass "
+                "another path"
+            ) from None
         raise RuntimeError(
             f"{path} is in use by another miles_offload optimizer (process {holder}): two "
             "optimizers writing one state directory would overwrite each other's state. "
