@@ -268,6 +268,18 @@ static inline __m512i amax16(const __m512i* acc) {
 
 // ---- FP8 ----------------------------------------------------------------------------------
 
+// FP8 byte codes of 32 bf16 inputs divided by vs, as 16-bit pairs (element 2i low): even and
+// odd elements (load_bf16_pairs), their codes interleaved back lane by lane, so that one
+// vpmovdw stores them: 4 fewer instructions per 32 inputs than widening 16 at a time.
+template <class F>
+static inline __m512i fp8_pairs32_bf16(const uint16_t* x, __m512 vs) {
+  __m512 even, odd;
+  simd::load_bf16_pairs(x, &even, &odd);
+  const __m512i ce = simd::encode<F, false>(_mm512_div_ps(even, vs));
+  const __m512i co = simd::encode<F, false>(_mm512_div_ps(odd, vs));
+  return _mm512_or_si512(ce, _mm512_slli_epi32(co, 8));
+}
+
 // x / s encoded, n inputs. kPrefetch: also request the lines kPrefetchAhead bytes ahead, 256
 // bytes at a time (a long stream from memory).
 template <DType D, class F, bool kPrefetch = false>
@@ -284,15 +296,9 @@ static void fp8_run_v(const typename In<D>::T* x, int64_t n, float s, uint8_t* o
   const __m512 vs = _mm512_set1_ps(s);
   int64_t i = 0;
   if constexpr (D == DType::bf16) {
-    // Even and odd elements (load_bf16_pairs), their byte codes interleaved back lane by lane
-    // and stored as 16-bit pairs: 4 fewer instructions per 32 inputs than widening 16 at a time.
     for (; i + 32 <= n; i += 32) {
       prefetch(i);
-      __m512 even, odd;
-      simd::load_bf16_pairs(x + i, &even, &odd);
-      const __m512i ce = simd::encode<F, false>(_mm512_div_ps(even, vs));
-      const __m512i co = simd::encode<F, false>(_mm512_div_ps(odd, vs));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(_mm512_or_si512(ce, _mm512_slli_epi32(co, 8))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(fp8_pairs32_bf16<F>(x + i, vs)));
     }
   }
   for (; i + 32 <= n; i += 32) {
@@ -340,11 +346,7 @@ static inline void fp8_tiles_row_bf16(const uint16_t* x, int64_t nb, int64_t tc,
     const __m512 vs = _mm512_set1_ps(s[k]);
     const simd::Mask pk = static_cast<simd::Mask>(0u - ((poisoned >> k) & 1u));
     for (int64_t i = k * tc; i < (k + 1) * tc; i += 32) {
-      __m512 even, odd;
-      simd::load_bf16_pairs(x + i, &even, &odd);
-      const __m512i ce = simd::encode<F, false>(_mm512_div_ps(even, vs));
-      const __m512i co = simd::encode<F, false>(_mm512_div_ps(odd, vs));
-      const __m512i w = _mm512_mask_mov_epi32(_mm512_or_si512(ce, _mm512_slli_epi32(co, 8)), pk, nan_pair);
+      const __m512i w = _mm512_mask_mov_epi32(fp8_pairs32_bf16<F>(x + i, vs), pk, nan_pair);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(w));
     }
   }
@@ -603,7 +605,8 @@ static inline __m512 e8m0_inverses(__m512i code) {
 // nibble pairs for E2M1 (encoded by e2m1_magnitude, 7 operations instead of encode's 13).
 // Branch-free: a poisoned block's codes are overwritten, so that the compiler keeps every
 // constant of the encodes in registers across the loop (a branch per block made GCC rebuild
-// them per block). MXFP4 bf16 in L2: 0.28 -> 0.22 ns per element; MXFP8 0.26 -> 0.24 (Zen 4).
+// them per block). Used for batches with a code below kMx16MinCode (the 16-bit paths take the
+// rest), and as those paths' reference in tools/bench/quant_mx_16bit_probe.cpp.
 template <class F, bool kAnyPoisoned>
 static inline void mx_elements512_bf16(const uint16_t* x, __m512 mul, simd::Mask poisoned, uint8_t* out) {
   constexpr bool kPacked = F::kEbits + F::kMbits == 3;
@@ -633,6 +636,19 @@ static inline void mx_elements512_bf16(const uint16_t* x, __m512 mul, simd::Mask
   }
 }
 
+// The 16-bit MX paths' scaling: per block, 127 - code in the bf16 exponent field's position,
+// in both 16-bit halves of lane k (mx16_deltas); then |x| * 2^(127 - code) of 32 bf16 inputs as
+// bits, by adding it to the exponent field of every non-zero |x| (mx16_scaled).
+static inline __m512i mx16_deltas(__m512i code) {
+  const __m512i delta = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(simd::u32(127), code), 7), simd::u32(0xFFFF));
+  return _mm512_or_si512(delta, _mm512_slli_epi32(delta, 16));
+}
+static inline __m512i mx16_scaled(__m512i v, __m512i deltas, int k) {
+  const __m512i u = _mm512_and_si512(v, simd::u32(0x7FFF7FFFu));
+  const __m512i dk = _mm512_permutexvar_epi32(_mm512_set1_epi32(k), deltas);
+  return _mm512_mask_add_epi16(u, _mm512_test_epi16_mask(u, u), u, dk);
+}
+
 // MXFP4 elements of 16 whole bf16 blocks on 16-bit lanes, 32 inputs per instruction instead of
 // 16. For E8M0 codes of at least 3 it gives mx_elements512_bf16's bytes exactly (every non-NaN,
 // non-Inf bf16 input whose scaled magnitude is below 2^(emax + 1) = 8, as every input of a block
@@ -646,15 +662,12 @@ static inline void mx_elements512_bf16(const uint16_t* x, __m512 mul, simd::Mask
 // - Below 1.0: 0.5 (code 1) above 0.25, 1.0 (code 2) from 0.75, ties to even.
 // Poisoned blocks get zero bytes (E2M1 has no NaN: the contract's +0), like the fp32 path.
 static inline void mx4_elements512_bf16_h(const uint16_t* x, __m512i code, simd::Mask poisoned, uint8_t* out) {
-  const __m512i delta = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(simd::u32(127), code), 7), simd::u32(0xFFFF));
-  const __m512i d16 = _mm512_or_si512(delta, _mm512_slli_epi32(delta, 16));  // lane k: block k's delta, twice
+  const __m512i d16 = mx16_deltas(code);
   const __m512i one = _mm512_set1_epi16(1);
   const __m512i bias = _mm512_set1_epi16(static_cast<short>(31 - (126 << 7)));  // half - 1, rebias
   for (int k = 0; k < 16; ++k) {
     const __m512i v = _mm512_loadu_si512(x + 32 * k);
-    const __m512i u = _mm512_and_si512(v, simd::u32(0x7FFF7FFFu));
-    const __m512i dk = _mm512_permutexvar_epi32(_mm512_set1_epi32(k), d16);
-    const __m512i r = _mm512_mask_add_epi16(u, _mm512_test_epi16_mask(u, u), u, dk);
+    const __m512i r = mx16_scaled(v, d16, k);
     __m512i cn = _mm512_add_epi16(_mm512_add_epi16(r, bias), _mm512_and_si512(_mm512_srli_epi16(r, 6), one));
     cn = _mm512_min_epu16(_mm512_srli_epi16(cn, 6), _mm512_set1_epi16(7));
     const __mmask32 half = _mm512_cmpgt_epi16_mask(r, _mm512_set1_epi16(0x3E80));   // > 0.25
@@ -669,7 +682,7 @@ static inline void mx4_elements512_bf16_h(const uint16_t* x, __m512i code, simd:
   }
 }
 
-// The smallest E8M0 code for which mx_elements512_bf16_h is exact: 2 - emin + M (3 for E2M1,
+// The smallest E8M0 code for which mx4/mx8_elements512_bf16_h are exact: 2 - emin + M (3 for E2M1,
 // 11 for E4M3, 18 for E5M2). Below it a bf16 subnormal input, whose exponent field the 16-bit
 // path would make up, could scale to a non-zero code.
 template <class F>
@@ -688,14 +701,11 @@ static inline void mx8_elements512_bf16_h(const uint16_t* x, __m512i code, __m51
   constexpr int kShift = 7 - F::kMbits, kEmin = 1 - F::kBias;
   constexpr int kMinNormal = (127 + kEmin) << 7, kZeroMax = (127 + kEmin - F::kMbits - 1) << 7;
   constexpr int kRound = ((1 << (kShift - 1)) - 1) - ((127 - F::kBias) << 7);
-  const __m512i delta = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(simd::u32(127), code), 7), simd::u32(0xFFFF));
-  const __m512i d16 = _mm512_or_si512(delta, _mm512_slli_epi32(delta, 16));  // lane k: block k's delta, twice
+  const __m512i d16 = mx16_deltas(code);
   const __m512i one = _mm512_set1_epi16(1);
   for (int k = 0; k < 16; ++k) {
     const __m512i v = _mm512_loadu_si512(x + 32 * k);
-    const __m512i u = _mm512_and_si512(v, simd::u32(0x7FFF7FFFu));
-    const __m512i dk = _mm512_permutexvar_epi32(_mm512_set1_epi32(k), d16);
-    const __m512i r = _mm512_mask_add_epi16(u, _mm512_test_epi16_mask(u, u), u, dk);
+    const __m512i r = mx16_scaled(v, d16, k);
     __m512i c = _mm512_add_epi16(_mm512_add_epi16(r, _mm512_set1_epi16(static_cast<short>(kRound))), _mm512_and_si512(_mm512_srli_epi16(r, kShift), one));
     c = _mm512_min_epu16(_mm512_srli_epi16(c, kShift), _mm512_set1_epi16(static_cast<short>(F::kMaxCode)));
     c = _mm512_maskz_mov_epi16(_mm512_cmpge_epi16_mask(r, _mm512_set1_epi16(static_cast<short>(kMinNormal))), c);
