@@ -1,7 +1,8 @@
 // AVX-512 leaf kernels: the same per-group arithmetic as cpu_kernels.h, 16 fp32 lanes at a time.
 //
-// Included only by cpu_isa_avx512.cpp (compiled with -mavx512f/bw/vl/dq), after cpu_kernels.h,
-// inside namespace miles_quant::cpu::avx512. Every vector step is the lane-wise twin of a scalar
+// Included by avx512_leaf.h (cpu_isa_avx512.cpp, compiled with -mavx512f/bw/vl/dq, and
+// cpu_isa_avx512vbmi.cpp, with -mavx512vbmi too), after cpu_kernels.h, inside namespace
+// miles_quant::cpu::MQ_CPU_NS. Every vector step is the lane-wise twin of a scalar
 // step of the contract: element encoding is the round-to-nearest-even of bits.h/elements.h on
 // 32-bit lanes (integer for normal targets, one exact fp32 addition for subnormal ones, see
 // encode; E2M1 in the quantizers by one fp32 addition onto its grid, see e2m1_magnitude),
@@ -22,7 +23,7 @@
 
 namespace miles_quant {
 namespace cpu {
-namespace avx512 {
+namespace MQ_CPU_NS {
 namespace simd {
 
 using Mask = __mmask16;
@@ -280,6 +281,8 @@ static inline __m512i fp8_pairs32_bf16(const uint16_t* x, __m512 vs) {
   return _mm512_or_si512(ce, _mm512_slli_epi32(co, 8));
 }
 
+#include "avx512_fp8_tables.h"  // kFp8Tables, fp8_tab, fp8_tab_run (VBMI builds)
+
 // x / s encoded, n inputs. kPrefetch: also request the lines kPrefetchAhead bytes ahead, 256
 // bytes at a time (a long stream from memory).
 template <DType D, class F, bool kPrefetch = false>
@@ -324,7 +327,14 @@ static void fp8_flat_v(const Fp8Args& a, int64_t begin, int64_t n, uint32_t amax
   // The tensor-level scale is known only after a whole amax pass, so this pass streams its
   // input from memory again, with the lines kPrefetchAhead bytes ahead requested, as the amax
   // pass does: one call, so that the encode's constants are set up once.
-  fp8_run_v<D, F, true>(x, n, fp8_scale<F>(bits_f32(amax)), a.out + begin);
+  const float s = fp8_scale<F>(bits_f32(amax));
+  if constexpr (D == DType::bf16 && kFp8Tables) {
+    const int64_t whole = n / 32 * 32;
+    fp8_tab_run<F, true>(x, whole, fp8_tab<F>(amax, s), s, a.out + begin);
+    fp8_run_v<D, F>(x + whole, n - whole, s, a.out + begin + whole);
+    return;
+  }
+  fp8_run_v<D, F, true>(x, n, s, a.out + begin);
 }
 
 // Software prefetch of lines [b0, b1) of p into L1. On the project's VMs the hardware
@@ -338,8 +348,21 @@ static inline void prefetch_lines(const void* p, int64_t b0, int64_t b1) {
 // fp8_run_v's bf16 loop for all of them in one branch-free loop (a poisoned tile's codes are
 // overwritten), so that the encode's constants stay in registers across tiles instead of being
 // rebuilt per call. kPrefetch: request each tile's lines kPrefetchAhead bytes ahead first.
+// With kFp8Tables, tile k is encoded by its table tab[k] (fp8_tab_run) and a poisoned tile is
+// filled with NaN codes.
 template <class F, bool kPrefetch>
-static inline void fp8_tiles_row_bf16(const uint16_t* x, int64_t nb, int64_t tc, const float* s, simd::Mask poisoned, uint8_t* out) {
+static inline void fp8_tiles_row_bf16(const uint16_t* x, int64_t nb, int64_t tc, const float* s, const Fp8Tab* tab,
+                                      simd::Mask poisoned, uint8_t* out) {
+  if constexpr (kFp8Tables) {
+    for (int64_t k = 0; k < nb; ++k) {
+      if constexpr (kPrefetch) prefetch_lines(reinterpret_cast<const char*>(x + k * tc) + simd::kPrefetchAhead, 0, tc * 2);
+      if ((poisoned >> k) & 1)
+        std::memset(out + k * tc, F::kNanCode, static_cast<size_t>(tc));
+      else
+        fp8_tab_run<F, false>(x + k * tc, tc, tab[k], s[k], out + k * tc);
+    }
+    return;
+  }
   const __m512i nan_pair = simd::u32(F::kNanCode * 0x101u);
   for (int64_t k = 0; k < nb; ++k) {
     if constexpr (kPrefetch) prefetch_lines(reinterpret_cast<const char*>(x + k * tc) + simd::kPrefetchAhead, 0, tc * 2);
@@ -372,6 +395,8 @@ static void fp8_bands_v(const Fp8Args& a, int64_t t0, int64_t t1) {
   cw = cw < 16 ? 16 : (cw > kMaxTiles ? kMaxTiles : cw);
   __m512i acc[kMaxTiles];
   alignas(64) float s[kMaxTiles];
+  alignas(64) uint32_t amax_bits[kMaxTiles];
+  Fp8Tab tab[kMaxTiles];
   uint16_t poisoned[kMaxTiles / 16];
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t b = t / nr, i = t % nr;
@@ -403,8 +428,11 @@ static void fp8_bands_v(const Fp8Args& a, int64_t t0, int64_t t1) {
         sv = _mm512_mask_mov_ps(sv, bad, _mm512_castsi512_ps(simd::u32(kF32QuietNan)));
         _mm512_mask_storeu_ps(a.scales + t * nc + j0 + k0, simd::tail_mask(m16), sv);
         _mm512_storeu_ps(s + k0, sv);
+        _mm512_storeu_si512(amax_bits + k0, amax);
         poisoned[k0 / 16] = bad;
       }
+      if constexpr (D == DType::bf16 && kFp8Tables)
+        for (int64_t k = 0; k < nb; ++k) tab[k] = fp8_tab<F>(amax_bits[k], s[k]);
       const int64_t cb = j0 * tc;
       const bool whole = D == DType::bf16 && tc % 32 == 0 && lo(C, cb + nb * tc) - cb == nb * tc;
       for (int64_t r = r0; r < r1; ++r) {
@@ -412,7 +440,8 @@ static void fp8_bands_v(const Fp8Args& a, int64_t t0, int64_t t1) {
           if (whole) {  // one branch-free loop per 16 tiles of the row (fp8_tiles_row_bf16)
             for (int64_t k0 = 0; k0 < nb; k0 += 16) {
               const int64_t c0 = cb + k0 * tc;
-              fp8_tiles_row_bf16<F, true>(x + r * C + c0, lo(16, nb - k0), tc, s + k0, poisoned[k0 / 16], a.out + r * C + c0);
+              fp8_tiles_row_bf16<F, true>(x + r * C + c0, lo(16, nb - k0), tc, s + k0, tab + k0, poisoned[k0 / 16],
+                                          a.out + r * C + c0);
             }
             continue;
           }
@@ -490,6 +519,8 @@ static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
     }
   };
   alignas(64) float s[16];
+  alignas(64) uint32_t amax_bits[16];
+  Fp8Tab tab[kW];
   simd::Mask poisoned = 0;
   // The scales of chunk c from acc (all its rows seen): stored, and kept in s / poisoned.
   const auto finish = [&](const Chunk& c) {
@@ -502,12 +533,16 @@ static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
     sv = _mm512_mask_mov_ps(sv, poisoned, _mm512_castsi512_ps(simd::u32(kF32QuietNan)));
     _mm512_mask_storeu_ps(a.scales + c.t * nc + c.j0, simd::tail_mask(c.nb), sv);
     _mm512_store_ps(s, sv);
+    if constexpr (D == DType::bf16 && kFp8Tables) {
+      _mm512_store_si512(amax_bits, amax);
+      for (int64_t k = 0; k < c.nb; ++k) tab[k] = fp8_tab<F>(amax_bits[k], s[k]);
+    }
   };
   const auto cast_row = [&](const Chunk& c, int64_t i) {
     const int64_t r = c.r0 + i;
     if constexpr (D == DType::bf16) {
       if (tc % 32 == 0 && c.ce - c.cb == c.nb * tc) {  // whole tiles: one branch-free loop
-        fp8_tiles_row_bf16<F, false>(x + r * C + c.cb, c.nb, tc, s, poisoned, a.out + r * C + c.cb);
+        fp8_tiles_row_bf16<F, false>(x + r * C + c.cb, c.nb, tc, s, tab, poisoned, a.out + r * C + c.cb);
         return;
       }
     }
@@ -1103,6 +1138,6 @@ static void encode_run_v(const float* x, int64_t n, uint8_t* out) {
   }
 }
 
-}  // namespace avx512
+}  // namespace MQ_CPU_NS
 }  // namespace cpu
 }  // namespace miles_quant

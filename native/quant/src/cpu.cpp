@@ -27,6 +27,7 @@ const Leaf& leaf_generic();
 #if MQ_X86
 const Leaf& leaf_avx2();
 const Leaf& leaf_avx512();
+const Leaf& leaf_avx512vbmi();
 #endif
 
 namespace {
@@ -41,8 +42,11 @@ const Leaf& leaf() {
     const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                         __builtin_cpu_supports("avx512dq");
+    const bool vbmi = avx512 && __builtin_cpu_supports("avx512vbmi");
     if (want == "generic") return &leaf_generic();
     if (want == "avx2" && avx2) return &leaf_avx2();
+    if (want == "avx512" && avx512) return &leaf_avx512();
+    if (vbmi) return &leaf_avx512vbmi();
     if (avx512) return &leaf_avx512();
     if (avx2) return &leaf_avx2();
 #endif

@@ -1,114 +1,13 @@
-// Leaf kernels compiled with -mavx512f/bw/vl/dq (CMakeLists.txt); used only when the CPU has them.
-// The hot loops are explicit AVX-512 (avx512_kernels.h); the rest is the shared scalar code.
+// Leaf kernels compiled with -mavx512f/bw/vl/dq (CMakeLists.txt); used only when the CPU has them
+// (and not AVX512-VBMI, which gets cpu_isa_avx512vbmi.cpp). The hot loops are explicit AVX-512
+// (avx512_kernels.h); the rest is the shared scalar code.
 #define MQ_CPU_NS avx512
-#include "miles_quant/cpu_kernels.h"
-
-#include "avx512_kernels.h"
+#include "avx512_leaf.h"
 
 namespace miles_quant {
 namespace cpu {
-namespace avx512 {
-namespace {
-
-template <template <DType> class K, class... Args>
-void by_dtype(DType d, Args&&... args) {
-  if (d == DType::f32)
-    K<DType::f32>::run(args...);
-  else if (d == DType::bf16)
-    K<DType::bf16>::run(args...);
-  else
-    K<DType::f16>::run(args...);
-}
-
-template <class F>
-struct Fp8Flat {
-  template <DType D>
-  struct K {
-    static void run(const Fp8Args& a, int64_t b, int64_t n, uint32_t m) { fp8_flat_v<D, F>(a, b, n, m); }
-  };
-};
-template <class F>
-struct Fp8Tiles {
-  template <DType D>
-  struct K {
-    static void run(const Fp8Args& a, int64_t t0, int64_t t1) { fp8_tiles_v<D, F>(a, t0, t1); }
-  };
-};
-template <class F>
-struct MxRows {
-  template <DType D>
-  struct K {
-    static void run(const MxArgs& a, int64_t r0, int64_t r1) { mx_rows_v<D, F>(a, r0, r1); }
-  };
-};
-template <DType D>
-struct Nvfp4Rows {
-  static void run(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint32_t* g) { nvfp4_rows_v<D>(a, t0, t1, g); }
-};
-template <DType D>
-struct Int4Rows {
-  static void run(const Int4Args& a, int64_t r0, int64_t r1) { int4_rows_v<D>(a, r0, r1); }
-};
-template <DType D>
-struct Amax {
-  static void run(const void* x, int64_t begin, int64_t n, uint32_t* out) {
-    *out = simd::amax_stream<D>(static_cast<const typename In<D>::T*>(x) + begin, n);
-  }
-};
-
-uint32_t amax_v(DType d, const void* x, int64_t begin, int64_t n) {
-  uint32_t m = 0;
-  by_dtype<Amax>(d, x, begin, n, &m);
-  return m;
-}
-
-void encode_v(const float* x, int64_t n, Elem e, uint8_t* out) {
-  if (e == Elem::e4m3) encode_run_v<E4M3>(x, n, out);
-  if (e == Elem::e5m2) encode_run_v<E5M2>(x, n, out);
-  if (e == Elem::e2m1) encode_run_v<E2M1>(x, n, out);
-}
-
-void fp8_flat_d(const Fp8Args& a, int64_t begin, int64_t n, uint32_t amax) {
-  if (a.elem == Elem::e4m3)
-    by_dtype<Fp8Flat<E4M3>::K>(a.dtype, a, begin, n, amax);
-  else
-    by_dtype<Fp8Flat<E5M2>::K>(a.dtype, a, begin, n, amax);
-}
-
-void fp8_tiles_d(const Fp8Args& a, int64_t t0, int64_t t1) {
-  if (a.elem == Elem::e4m3)
-    by_dtype<Fp8Tiles<E4M3>::K>(a.dtype, a, t0, t1);
-  else
-    by_dtype<Fp8Tiles<E5M2>::K>(a.dtype, a, t0, t1);
-}
-
-void mx_rows_d(const MxArgs& a, int64_t r0, int64_t r1) {
-  if (a.elem == Elem::e4m3) by_dtype<MxRows<E4M3>::K>(a.dtype, a, r0, r1);
-  if (a.elem == Elem::e5m2) by_dtype<MxRows<E5M2>::K>(a.dtype, a, r0, r1);
-  if (a.elem == Elem::e2m1) by_dtype<MxRows<E2M1>::K>(a.dtype, a, r0, r1);
-}
-
-void nvfp4_rows_d(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint32_t* gamax) {
-  by_dtype<Nvfp4Rows>(a.dtype, a, t0, t1, gamax);
-}
-
-void int4_rows_d(const Int4Args& a, int64_t r0, int64_t r1) { by_dtype<Int4Rows>(a.dtype, a, r0, r1); }
-
-}  // namespace
-}  // namespace avx512
-
 const Leaf& leaf_avx512() {
-  static const Leaf leaf = [] {
-    Leaf l = avx512::make_leaf("avx512");
-    l.amax = avx512::amax_v;
-    l.encode = avx512::encode_v;
-    l.fp8_flat = avx512::fp8_flat_d;
-    l.fp8_tiles = avx512::fp8_tiles_d;
-    l.mx_rows = avx512::mx_rows_d;
-    l.nvfp4_rows = avx512::nvfp4_rows_d;
-    l.int4_rows = avx512::int4_rows_d;
-    return l;
-  }();
+  static const Leaf leaf = avx512::make_avx512_leaf("avx512");
   return leaf;
 }
 }  // namespace cpu

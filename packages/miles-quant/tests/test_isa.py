@@ -1,5 +1,6 @@
-"""The CPU kernels exist once per instruction set (AVX-512 with its own explicit vector code,
-AVX2 and baseline builds of the scalar code); the best one the CPU has is picked at run time.
+"""The CPU kernels exist once per instruction set (AVX-512 with its own explicit vector code, the
+same with AVX512-VBMI's byte-permute kernels, AVX2 and baseline builds of the scalar code); the
+best one the CPU has is picked at run time.
 Every one must give the same bits: each lower ISA runs in a subprocess (MILES_QUANT_ISA is read
 once per process) on every format and input dtype, and its results are compared bit for bit
 with this process's kernels and the reference."""
@@ -50,11 +51,13 @@ def _inputs() -> list[torch.Tensor]:
     return xs
 
 
-@pytest.mark.parametrize("isa", ["avx2", "generic"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
 def test_every_isa_gives_the_same_bits(isa: str, tmp_path: Path) -> None:
     require_native()
     if _native.isa() == "generic" and isa == "avx2":
         pytest.skip("this CPU has no AVX2")
+    if isa == "avx512" and _native.isa() != "avx512vbmi":
+        pytest.skip("the plain AVX-512 build is only a lower ISA on a CPU with AVX512-VBMI")
     dump = tmp_path / f"{isa}.pt"
     env = {**os.environ, "MILES_QUANT_ISA": isa, "OMP_NUM_THREADS": "1"}
     here = str(Path(__file__).resolve().parent)

@@ -29,8 +29,8 @@ void quantize_int4(const Int4Args& a);
 // Raw element casts (round to nearest even, saturating; see elements.h).
 void encode_elements(const float* x, int64_t n, Elem e, uint8_t* out, int threads);
 
-// The instruction set the kernels run with ("avx512", "avx2" or "generic"), chosen once at run
-// time; MILES_QUANT_ISA=<name> forces a lower one.
+// The instruction set the kernels run with ("avx512vbmi", "avx512", "avx2" or "generic"),
+// chosen once at run time; MILES_QUANT_ISA=<name> forces a lower one.
 const char* isa();
 
 }  // namespace cpu

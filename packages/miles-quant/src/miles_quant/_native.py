@@ -42,7 +42,7 @@ def error() -> str | None:
 
 
 def isa() -> str | None:
-    """Instruction set the native kernels use ("avx512", "avx2", "generic"), or None."""
+    """The native kernels' instruction set ("avx512vbmi", "avx512", "avx2", "generic") or None."""
     return None if _ext is None else str(_ext.isa())
 
 

@@ -1,0 +1,116 @@
+// FP8 (E4M3, E5M2) of bf16 inputs by mantissa tables: the contract's encode(x / s) without a
+// division, 32 inputs per instruction on 16-bit lanes. Needs AVX512-VBMI (vpermi2b); included
+// by avx512_kernels.h inside namespace miles_quant::cpu::MQ_CPU_NS, after fp8_pairs32_bf16
+// (the fallback below). Without VBMI, kFp8Tables is false and the fp32 path runs everywhere.
+//
+// Why a table gives the contract's bits. Take a group that is not poisoned, with amax A (a bf16
+// value: the max of |x| over bf16 inputs) and s = max(A, 1e-10) / max_elem in fp32.
+// - s's mantissa depends only on A's 7 mantissa bits (dividing m * 2^e by max_elem is exact
+//   scaling of fl(m / max_elem) by 2^e while s stays normal, which it always does), or on
+//   nothing when the 1e-10 clamp applies: 129 possible mantissas, so 129 tables.
+// - For a normal bf16 x = (1 + m/128) * 2^(e - 127), fl(x / s) = fl((1 + m/128) / s') * 2^(e -
+//   E) where s' is s with its exponent field set to 127 and E is s's exponent field: the same
+//   scaling argument, while the quotient is a normal fp32.
+// - encode's integer rounding of a normal target is linear in the fp32 exponent: rn(v * 2^k) =
+//   rn(v) + k * 2^M (round_mag_rne, bits.h; M = mantissa bits of the element). So the code of x,
+//   before the sign, is c = e * 2^M + d[m] + K with d[m] = rn(y_m) - rn(y_0), y_m = fl((1 +
+//   m/128) / s') (0..2^(M+1): one byte), and K = rn(y_0) - E * 2^M per group. The bf16 bits
+//   give e * 2^M by a shift and a mask, and vpermi2b looks d[m] up for 64 bytes at once (the
+//   low byte of a bf16 holds m in its low 7 bits, which are what the permute reads).
+// - c >= 2^M: a normal target, or a value just below the smallest normal whose rounding carries
+//   to it, which the subnormal grid rounds to the same code; that is the code. No saturation
+//   step: |x| <= amax, so |x / s| rounds to at most max_elem (the probe below covers it).
+//   c < -M * 2^M: the value is below half the smallest subnormal step and encodes to 0. In
+//   between (subnormal targets: |x| between about 2^-19 and 2^-15 of the amax for E4M3, 2^-33
+//   and 2^-30 for E5M2; rare) the 32 inputs are encoded again by the fp32 path. A bf16 zero or
+//   subnormal x (e = 0) gives c < -M * 2^M and encodes to 0, as the division does (|x / s| <
+//   2^-80).
+// tools/bench/quant_fp8_tables_probe.cpp checks this against the fp32 path for every
+// non-poisoned bf16 amax and every bf16 x with |x| <= amax, both formats (run by
+// tests/test_quant_fp8_tables.py).
+
+#if defined(__AVX512VBMI__)
+constexpr bool kFp8Tables = true;
+
+template <class F>
+struct Fp8Tables {
+  alignas(64) uint8_t d[129][128];  // [amax mantissa, or 128 for the 1e-10 clamp][x mantissa]
+  int32_t base[129];                // rn(y_0) of each table
+};
+
+template <class F>
+static const Fp8Tables<F>& fp8_tables() {
+  static const Fp8Tables<F> tables = [] {
+    Fp8Tables<F> t;
+    for (uint32_t i = 0; i < 129; ++i) {
+      const float amax = i < 128 ? bits_f32((127u << 23) | (i << 16)) : 0.0f;
+      const float s = fp8_scale<F>(amax);
+      const float s1 = bits_f32((f32_bits(s) & 0x007FFFFFu) | (127u << 23));
+      uint32_t r0 = 0;
+      for (uint32_t m = 0; m < 128; ++m) {
+        // y in (0.5, 2]: a normal target of either format, so round_mag_rne's integer path.
+        const uint32_t r = round_mag_rne<F::kMbits, F::kBias>(f32_bits(bits_f32((127u << 23) | (m << 16)) / s1));
+        if (m == 0) r0 = r;
+        t.d[i][m] = static_cast<uint8_t>(r - r0);
+      }
+      t.base[i] = static_cast<int32_t>(r0);
+    }
+    return t;
+  }();
+  return tables;
+}
+
+// One group's table and constant K (amax bits as the kernels compute them, s its scale).
+struct Fp8Tab {
+  const uint8_t* d;
+  int32_t k;
+};
+template <class F>
+static inline Fp8Tab fp8_tab(uint32_t amax_bits, float s) {
+  const Fp8Tables<F>& t = fp8_tables<F>();
+  const uint32_t i = bits_f32(amax_bits) < kAmaxMin ? 128u : (amax_bits >> 16) & 0x7Fu;
+  return {t.d[i], t.base[i] - static_cast<int32_t>((f32_bits(s) >> 23) << F::kMbits)};
+}
+
+// n (a multiple of 32) bf16 inputs of one group with table t and scale s (for the fallback) to
+// FP8 bytes. kPrefetch: request the lines kPrefetchAhead bytes ahead, 256 bytes at a time.
+template <class F, bool kPrefetch>
+static inline void fp8_tab_run(const uint16_t* x, int64_t n, Fp8Tab t, float s, uint8_t* out) {
+  constexpr int M = F::kMbits;
+  const __m512i ta = _mm512_loadu_si512(t.d), tb = _mm512_loadu_si512(t.d + 64);
+  const __m512i k = _mm512_set1_epi16(static_cast<short>(t.k));
+  for (int64_t i = 0; i < n; i += 32) {
+    if constexpr (kPrefetch) {
+      if ((i & 127) == 0) {
+        const char* ahead = reinterpret_cast<const char*>(x + i) + simd::kPrefetchAhead;
+        for (int b = 0; b < 256; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      }
+    }
+    const __m512i v = _mm512_loadu_si512(x + i);
+    const __m512i d = _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, ta, v, tb);  // d[m], 16-bit
+    const __m512i e = _mm512_and_si512(_mm512_srli_epi16(v, 7 - M), _mm512_set1_epi16(static_cast<short>(0xFF << M)));
+    const __m512i c = _mm512_add_epi16(_mm512_add_epi16(e, d), k);
+    const __mmask32 low = _mm512_cmplt_epi16_mask(c, _mm512_set1_epi16(1 << M));
+    const __mmask32 sub = _mm512_mask_cmpge_epi16_mask(low, c, _mm512_set1_epi16(static_cast<short>(-M * (1 << M))));
+    if (__builtin_expect(sub != 0, 0)) {  // a subnormal target: the fp32 path for these 32
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(fp8_pairs32_bf16<F>(x + i, _mm512_set1_ps(s))));
+      continue;
+    }
+    __m512i r = _mm512_mask_mov_epi16(c, low, _mm512_setzero_si512());
+    r = _mm512_ternarylogic_epi32(r, _mm512_srli_epi16(v, 8), _mm512_set1_epi16(0x80), 0xF8);  // sign to bit 7
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi16_epi8(r));
+  }
+}
+#else
+constexpr bool kFp8Tables = false;
+struct Fp8Tab {
+  const uint8_t* d;
+  int32_t k;
+};
+template <class F>
+static inline Fp8Tab fp8_tab(uint32_t, float) {
+  return {nullptr, 0};
+}
+template <class F, bool kPrefetch>
+static inline void fp8_tab_run(const uint16_t*, int64_t, Fp8Tab, float, uint8_t*) {}
+#endif
