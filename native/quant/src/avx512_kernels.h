@@ -932,39 +932,63 @@ static inline void nvfp4_elements256(const typename In<D>::T* x, __m512 factor, 
   }
 }
 
-// The whole batches of 1x16 rows ra and rb (rb < 0: none), interleaved batch by batch: two
-// streams through memory keep more lines in flight than one (8192x7168 bf16: 0.21 ns per
-// element against 0.24). Each row is software-pipelined: the next batch's amax and scales (a
-// chain of three divisions) are computed before this batch's elements, which hide its latency.
+#include "avx512_nvfp4_tables.h"  // kNvfp4Tables, nvfp4_elements256_tab (VBMI builds)
+
+// Rows the 1x16 kernel interleaves, batch by batch: two streams through memory keep more lines
+// in flight than one (8192x7168 bf16: 0.21 ns per element against 0.24); 4, 6 or 8 were slower
+// (0.23, 0.26, 0.28 ns with the tables).
+constexpr int kNvfp4Streams = 2;
+
+// The whole batches of 1x16 rows r[0, n), n <= kNvfp4Streams, interleaved batch by batch. Each
+// row is software-pipelined: the next batch's amax and scales (a chain of three divisions) are
+// computed before this batch's elements, which hide its latency. tables[k]: the mantissa
+// tables of row k's matrix (bf16 with kNvfp4Tables; else unused).
 template <DType D>
-static void nvfp4_row_pair(const Nvfp4Args& a, int64_t ra, int64_t rb) {
+static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const Nvfp4Tables* const* tables) {
   using T = typename In<D>::T;
+  constexpr bool kTab = D == DType::bf16 && kNvfp4Tables;  // block codes and elements by tables
   const int64_t R = a.rows, C = a.cols, nc = (C + 15) / 16, out_stride = (C + 1) / 2;
   const int64_t batches = C / 256;
   struct Row {
     const T* x;
     uint8_t* scales;
     uint8_t* out;
-    __m512 sg, inv, f;
+    __m512 sg, inv, f;  // the fp32 path: global scale, its inverse, the batch's element factors
+    __m512i k;          // the tables: the batch's nvfp4_element_k
+    const Nvfp4Tables* tables;
   };
-  Row rows[2];
-  const int n = rb < 0 ? 1 : 2;
+  // The first half of batch q of row w (its scales), and the second (its elements).
+  const auto scales = [](Row& w, int64_t q, __m512* f, __m512i* k) {
+    if constexpr (kTab)
+      *k = nvfp4_scales256_tab(w.x + q * 256, *w.tables, w.scales + q * 16);
+    else
+      *f = nvfp4_scales256<D>(w.x + q * 256, w.sg, w.inv, w.scales + q * 16);
+  };
+  const auto elements = [](const Row& w, int64_t q) {
+    if constexpr (kTab)
+      nvfp4_elements256_tab(w.x + q * 256, w.k, w.scales + q * 16, *w.tables, w.out + q * 128);
+    else
+      nvfp4_elements256<D>(w.x + q * 256, w.f, w.out + q * 128);
+  };
+  Row rows[kNvfp4Streams];
   for (int k = 0; k < n; ++k) {
-    const int64_t r = k == 0 ? ra : rb;
-    const float g = a.global_scale[r / R];
-    rows[k] = {static_cast<const T*>(a.x) + r * C, a.scales + r * nc, a.out + r * out_stride,
-               _mm512_set1_ps(g), _mm512_set1_ps(1.0f / g), _mm512_setzero_ps()};
-    rows[k].f = nvfp4_scales256<D>(rows[k].x, rows[k].sg, rows[k].inv, rows[k].scales);
+    const float g = a.global_scale[r[k] / R];
+    rows[k] = {static_cast<const T*>(a.x) + r[k] * C, a.scales + r[k] * nc, a.out + r[k] * out_stride,
+               _mm512_set1_ps(g), _mm512_set1_ps(1.0f / g), _mm512_setzero_ps(), _mm512_setzero_si512(), tables[k]};
+    scales(rows[k], 0, &rows[k].f, &rows[k].k);
   }
   for (int64_t q = 0; q + 1 < batches; ++q) {
     for (int k = 0; k < n; ++k) {
       Row& w = rows[k];
-      const __m512 next = nvfp4_scales256<D>(w.x + (q + 1) * 256, w.sg, w.inv, w.scales + (q + 1) * 16);
-      nvfp4_elements256<D>(w.x + q * 256, w.f, w.out + q * 128);
-      w.f = next;
+      __m512 f = w.f;
+      __m512i kk = w.k;
+      scales(w, q + 1, &f, &kk);
+      elements(w, q);
+      w.f = f;
+      w.k = kk;
     }
   }
-  for (int k = 0; k < n; ++k) nvfp4_elements256<D>(rows[k].x + (batches - 1) * 256, rows[k].f, rows[k].out + (batches - 1) * 128);
+  for (int k = 0; k < n; ++k) elements(rows[k], batches - 1);
 }
 
 template <DType D>
@@ -972,19 +996,32 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
   const auto* x = static_cast<const typename In<D>::T*>(a.x);
   const int64_t R = a.rows, C = a.cols, tr = a.tile16x16 ? 16 : 1;
   const int64_t nr = (R + tr - 1) / tr, nc = (C + 15) / 16, out_stride = (C + 1) / 2;
-  // 1x16 rows of at least one whole batch: the whole batches first, row t0 + i paired with
-  // row t0 + h + i (rows of a poisoned matrix are left to the loop below).
+  // 1x16 rows of at least one whole batch: the whole batches first, kNvfp4Streams rows at a time,
+  // t0 + i, t0 + g + i, t0 + 2g + i, ... (rows of a poisoned matrix are left to the loop below).
+  // Stream k keeps the mantissa tables of the matrix its rows are in (rebuilt when that changes).
   const bool batched = tr == 1 && C >= 256;
   if (batched) {
-    const int64_t h = (t1 - t0 + 1) / 2;
-    for (int64_t i = 0; i < h; ++i) {
-      int64_t ra = t0 + i, rb = t0 + h + i;
-      if (rb >= t1 || is_poisoned(gamax[rb / R])) rb = -1;
-      if (is_poisoned(gamax[ra / R])) {
-        ra = rb;
-        rb = -1;
+    Nvfp4Tables tables[kNvfp4Streams];
+    int64_t matrix[kNvfp4Streams];
+    for (int k = 0; k < kNvfp4Streams; ++k) matrix[k] = -1;
+    const int64_t g = (t1 - t0 + kNvfp4Streams - 1) / kNvfp4Streams;
+    for (int64_t i = 0; i < g; ++i) {
+      int64_t r[kNvfp4Streams];
+      const Nvfp4Tables* tab[kNvfp4Streams];
+      int n = 0;
+      for (int k = 0; k < kNvfp4Streams; ++k) {
+        const int64_t row = t0 + k * g + i;
+        if (row >= t1 || is_poisoned(gamax[row / R])) continue;
+        if constexpr (D == DType::bf16 && kNvfp4Tables) {
+          if (matrix[k] != row / R) {
+            matrix[k] = row / R;
+            nvfp4_build_tables(a.global_scale[row / R], &tables[k]);
+          }
+        }
+        r[n] = row;
+        tab[n++] = &tables[k];
       }
-      if (ra >= 0) nvfp4_row_pair<D>(a, ra, rb);
+      if (n > 0) nvfp4_row_group<D>(a, r, n, tab);
     }
   }
   __m512i m[16];

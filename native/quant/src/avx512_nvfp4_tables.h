@@ -1,0 +1,144 @@
+// NVFP4 elements of bf16 inputs by mantissa tables: the contract's encode_E2M1(x * factor)
+// without a multiplication, 32 inputs per instruction on 16-bit lanes. Needs AVX512-VBMI
+// (vpermi2b, vpermb); included by avx512_kernels.h inside namespace miles_quant::cpu::MQ_CPU_NS,
+// after nvfp4_elements256 (the path it replaces). Without VBMI, kNvfp4Tables is false.
+//
+// Why tables give the contract's bits (a matrix that is not poisoned, a 1x16 block of code c):
+// - factor = fl(inv / dec(c)) with inv = fl(1 / s_g) and dec(c) = (1 + j/8) * 2^E, j = c & 7
+//   (block scales are clamped to [2^-6, 448]: always normal). Dividing by 2^E is exact scaling,
+//   so factor's mantissa is that of fl(inv / (1 + j/8)): 8 possible mantissas per matrix, and
+//   8 tables of 128 bytes, built per matrix (nvfp4_build_tables; 1024 fp32 products).
+// - For a normal bf16 x = (1 + m/128) * 2^(e - 127), fl(x * factor) = P_m * 2^(e - 127 + F - 127)
+//   with P_m = fl((1 + m/128) * f1), f1 = factor with its exponent field set to 127, and F the
+//   exponent field of factor (exact scaling while the product is a normal fp32; a smaller one
+//   encodes to 0 either way). Write P_m = p * 2^o (p in [1, 2), o in 0..2).
+// - E2M1's grid (0, 0.5, 1, 1.5, 2, 3, 4, 6) rounds a value p * 2^b, ties to even, by b and by
+//   which of five classes p falls in: {1}, (1, 1.25], (1.25, 1.5), [1.5, 1.75), [1.75, 2)
+//   (kNvfp4Grid below lists the codes; b <= -3 gives 0, b >= 3 saturates to 6.0).
+// - So the table byte is 8 * o + class, and idx = 8 * e + byte + 8 * (F - 251) = 8 * (b + 3) +
+//   class, clamped to [0, 63], picks the code from one 64-byte vpermb table. A bf16 zero or
+//   subnormal x (e = 0) clamps to 0, as its product does (|x * factor| < 2^-70). The sign is
+//   x's (zeros included), as for x * factor.
+// - The block scale codes need no division either: with the tensor amax's scale s_g fixed,
+//   fl(fl(A / 6) / s_g) for a bf16 block amax A = (1 + m/128) * 2^(e - 127) is y_m * 2^(e - E_g)
+//   (y_m = fl(fl((1 + m/128) / 6) / s_g') with s_g' = s_g at exponent field 127, E_g s_g's
+//   field), so its E4M3 code before the clamps is 8 * e + bs[m] + K_g, one more 128-byte table;
+//   clamping that code to [8, 126] is the contract's clamp of the value to [2^-6, 448] (a zero,
+//   subnormal or tiny A gives a code far below 8). And factor's exponent field is that of
+//   fl(inv / (1 + j/8)) minus E: the elements' 8 * (F - 251) is kj[j] - (c & 0x78).
+// tools/bench/quant_nvfp4_tables_probe.cpp checks this against nvfp4_elements256 for every bf16
+// input (NaN excepted), every block scale code 8..126 and all 129 global-scale mantissas a bf16
+// tensor can have, at several exponents, and the block codes against nvfp4_block_code for every
+// bf16 block amax up to the tensor's (run by tests/test_quant_nvfp4_tables.py).
+
+#if defined(__AVX512VBMI__)
+constexpr bool kNvfp4Tables = true;
+
+// codes[8 * (b + 3) + class]: the E2M1 code of p * 2^b, p in class 0..4 (above); 64 bytes.
+alignas(64) static const uint8_t kNvfp4Grid[64] = {
+    0, 0, 0, 0, 0, 0, 0, 0,  // b = -3: [0.125, 0.25)
+    0, 1, 1, 1, 1, 0, 0, 0,  // b = -2: 0.25 ties to 0, above it 0.5
+    1, 1, 1, 2, 2, 0, 0, 0,  // b = -1: 0.75 ties to 1.0
+    2, 2, 3, 3, 4, 0, 0, 0,  // b = 0: 1.25 ties to 1.0, 1.75 to 2.0
+    4, 4, 5, 5, 6, 0, 0, 0,  // b = 1: 2.5 ties to 2, 3.5 to 4
+    6, 6, 7, 7, 7, 0, 0, 0,  // b = 2: 5 ties to 4, above it 6
+    7, 7, 7, 7, 7, 7, 7, 7,  // b = 3 (and above, by the clamp): saturated
+    7, 7, 7, 7, 7, 7, 7, 7,
+};
+
+struct Nvfp4Tables {
+  alignas(64) uint8_t t[8][128];  // [block scale mantissa j][x mantissa m] = 8 * o + class
+  alignas(64) uint8_t bs[128];    // [block amax mantissa m]: bs[m] (above)
+  alignas(64) int32_t kj[16];     // [j] = 8 * (F_j - 244); lanes 8-15 unused
+  int32_t k_g;                    // K_g
+};
+
+// The tables of a matrix with global scale s_g (not NaN).
+static inline void nvfp4_build_tables(float s_g, Nvfp4Tables* out) {
+  const float inv = 1.0f / s_g;
+  for (uint32_t j = 0; j < 8; ++j) {
+    const float f = inv / decode<E4M3>((7u << 3) | j);  // dec = 1 + j/8
+    const float f1 = bits_f32((f32_bits(f) & 0x007FFFFFu) | (127u << 23));
+    for (uint32_t m = 0; m < 128; ++m) {
+      const uint32_t p = f32_bits(bits_f32((127u << 23) | (m << 16)) * f1);
+      const uint32_t o = (p >> 23) - 127u, frac = p & 0x007FFFFFu;
+      const uint32_t cls = frac == 0 ? 0 : frac <= 0x200000u ? 1 : frac < 0x400000u ? 2 : frac < 0x600000u ? 3 : 4;
+      out->t[j][m] = static_cast<uint8_t>(8 * o + cls);
+    }
+    out->kj[j] = 8 * (static_cast<int32_t>(f32_bits(f) >> 23) - 244);
+  }
+  for (uint32_t j = 8; j < 16; ++j) out->kj[j] = 0;
+  const float sg1 = bits_f32((f32_bits(s_g) & 0x007FFFFFu) | (127u << 23));
+  uint32_t r0 = 0;
+  for (uint32_t m = 0; m < 128; ++m) {
+    // y in [1/12, 1/3]: a normal E4M3 target, so round_mag_rne's integer path.
+    const float y = (bits_f32((127u << 23) | (m << 16)) / E2M1::kMax) / sg1;
+    const uint32_t r = round_mag_rne<E4M3::kMbits, E4M3::kBias>(f32_bits(y));
+    if (m == 0) r0 = r;
+    out->bs[m] = static_cast<uint8_t>(r - r0);
+  }
+  out->k_g = static_cast<int32_t>(r0) - 8 * static_cast<int32_t>(f32_bits(s_g) >> 23);
+}
+
+// The E4M3 block scale codes of 16 blocks from their bf16 amaxes (low 16 bits of each lane; the
+// high bits may hold anything): nvfp4_block_code lane-wise.
+static inline __m512i nvfp4_block_codes_tab(__m512i h16, const Nvfp4Tables& t) {
+  const __m512i d = _mm512_maskz_permutex2var_epi8(0x1111111111111111ull, _mm512_load_si512(t.bs), h16, _mm512_load_si512(t.bs + 64));
+  const __m512i e8 = _mm512_and_si512(_mm512_srli_epi32(h16, 4), simd::u32(0x7F8));
+  const __m512i c = _mm512_add_epi32(_mm512_add_epi32(e8, d), _mm512_set1_epi32(t.k_g));
+  return _mm512_min_epi32(_mm512_max_epi32(c, simd::u32(8)), simd::u32(E4M3::kMaxCode));
+}
+
+// 8 * (F - 251) of each block (lane k: block k) from its code: what the elements below add.
+static inline __m512i nvfp4_element_k(__m512i code, const Nvfp4Tables& t) {
+  const __m512i kj = _mm512_permutexvar_epi32(_mm512_and_si512(code, simd::u32(7)), _mm512_load_si512(t.kj));
+  return _mm512_sub_epi32(kj, _mm512_and_si512(code, simd::u32(0x78)));
+}
+
+// The first half of a bf16 batch (nvfp4_scales256's, by the tables): its 16 block codes to
+// `scales`; returns their nvfp4_element_k.
+static inline __m512i nvfp4_scales256_tab(const uint16_t* x, const Nvfp4Tables& t, uint8_t* scales) {
+  prefetch_lines(reinterpret_cast<const char*>(x) + simd::kPrefetchAhead, 0, 512);
+  __m512i h[8];
+  for (int j = 0; j < 8; ++j) h[j] = _mm512_and_si512(_mm512_loadu_si512(x + 32 * j), _mm512_set1_epi16(0x7FFF));
+  const __m512i code = nvfp4_block_codes_tab(block16_amax_halves(h), t);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(code));
+  return nvfp4_element_k(code, t);
+}
+
+// 16 whole 1x16 bf16 blocks (256 inputs) whose block scale codes are codes[0, 16) and whose
+// nvfp4_element_k is kk, packed: the bytes of nvfp4_elements256<bf16>.
+static inline void nvfp4_elements256_tab(const uint16_t* x, __m512i kk, const uint8_t* codes, const Nvfp4Tables& t,
+                                         uint8_t* out) {
+  // Shifts, like permutes, compete for two of the four vector pipes on Zen 4, so the loop does
+  // its shifts as multiplications (vpmulhuw by 2^(16 - n) is a right shift by n) and packs the
+  // code pairs with vpmaddwd.
+  alignas(64) int32_t k32[16];
+  _mm512_store_si512(k32, kk);
+  const __m512i grid = _mm512_load_si512(kNvfp4Grid);
+  const __m512i nibbles = simd::u32(0x00100001u);  // lo * 1 + hi * 16
+  for (int j = 0; j < 8; ++j) {
+    const __m512i v = _mm512_loadu_si512(x + 32 * j);
+    const uint8_t* ta = t.t[codes[2 * j] & 7];
+    const uint8_t* tb = t.t[codes[2 * j + 1] & 7];
+    // The table bytes of the low 16 inputs (block 2j) and of the high 16 (block 2j + 1), 16-bit.
+    const __m512i da = _mm512_maskz_permutex2var_epi8(0x0000000055555555ull, _mm512_load_si512(ta), v, _mm512_load_si512(ta + 64));
+    const __m512i db = _mm512_maskz_permutex2var_epi8(0x5555555500000000ull, _mm512_load_si512(tb), v, _mm512_load_si512(tb + 64));
+    const __m512i k = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<short>(k32[2 * j])),
+                                              _mm512_set1_epi16(static_cast<short>(k32[2 * j + 1])));
+    const __m512i e8 = _mm512_and_si512(_mm512_mulhi_epu16(v, _mm512_set1_epi16(1 << 12)), _mm512_set1_epi16(0x7F8));  // (v >> 4) & 0x7F8
+    __m512i idx = _mm512_add_epi16(_mm512_add_epi16(e8, k), _mm512_or_si512(da, db));
+    idx = _mm512_min_epi16(_mm512_max_epi16(idx, _mm512_setzero_si512()), _mm512_set1_epi16(63));
+    __m512i c = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx, grid);
+    c = _mm512_ternarylogic_epi32(c, _mm512_mulhi_epu16(v, _mm512_set1_epi16(16)), _mm512_set1_epi16(8), 0xF8);  // sign (v >> 12) to bit 3
+    // 16-bit codes (element 2i low) to nibble pairs: lo + 16 * hi in each 32-bit lane.
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * j), _mm512_cvtepi32_epi8(_mm512_madd_epi16(c, nibbles)));
+  }
+}
+#else
+constexpr bool kNvfp4Tables = false;
+struct Nvfp4Tables {};
+static inline void nvfp4_build_tables(float, Nvfp4Tables*) {}
+static inline __m512i nvfp4_scales256_tab(const uint16_t*, const Nvfp4Tables&, uint8_t*) { return _mm512_setzero_si512(); }
+static inline void nvfp4_elements256_tab(const uint16_t*, __m512i, const uint8_t*, const Nvfp4Tables&, uint8_t*) {}
+#endif

@@ -1,0 +1,117 @@
+// Exhaustive proof behind miles-quant's NVFP4 mantissa tables (native/quant/src/
+// avx512_nvfp4_tables.h, the AVX512-VBMI build). Block scales: nvfp4_block_codes_tab equals
+// nvfp4_block_code (contract.h) for every bf16 block amax up to the tensor amax. Elements:
+// nvfp4_elements256_tab's bytes equal the fp32
+// path's (nvfp4_elements256: encode_E2M1(x * factor) with a vmulps, itself tested against the
+// PyTorch reference) for every non-NaN bf16 input x, every block scale code 8..126 (2^-6..448,
+// all the clamp allows; 16 different codes per batch of 16 blocks, rotated so that every input
+// meets every code) and every global scale a bf16 tensor can have up to its exponent: all 128
+// mantissas of the tensor amax and the 1e-10 clamp, at amax exponents from 2^-33 to 2^127.
+// Also times both paths on one batch in L1. Run by tests/test_quant_nvfp4_tables.py; by hand:
+//
+//   g++ -O2 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vbmi \
+//       -ffp-contract=off -Inative/quant/include -Inative/quant/src \
+//       tools/bench/quant_nvfp4_tables_probe.cpp -o /tmp/nvfp4probe && /tmp/nvfp4probe
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+#define MQ_CPU_NS avx512vbmi
+#include "miles_quant/cpu_kernels.h"
+#include "avx512_kernels.h"
+using namespace miles_quant;
+using namespace miles_quant::cpu::avx512vbmi;
+
+static_assert(kNvfp4Tables, "compile with -mavx512vbmi");
+
+int main() {
+  std::vector<uint16_t> xs;
+  for (uint32_t b = 0; b < 65536; ++b)
+    if ((b & 0x7FFFu) <= 0x7F80u) xs.push_back(static_cast<uint16_t>(b));  // all but NaN
+  while (xs.size() % 256) xs.push_back(0);
+  const size_t n = xs.size();
+  std::vector<uint8_t> want(n / 2), got(n / 2);
+  uint64_t bad = 0, checked = 0, bad_codes = 0, checked_codes = 0;
+  Nvfp4Tables tables;
+  alignas(64) uint8_t codes[16];
+  alignas(64) float factors[16];
+  // Tensor amax exponent fields: 94 is the smallest at or above the 1e-10 clamp, 254 the largest.
+  for (uint32_t ef : {94u, 100u, 120u, 127u, 140u, 180u, 220u, 254u}) {
+    for (uint32_t i = 0; i <= 128; ++i) {
+      if (i == 128 && ef != 94) continue;  // the clamp: one global scale
+      const float amax = i < 128 ? bits_f32((ef << 23) | (i << 16)) : 0.0f;
+      const float sg = nvfp4_global_scale(amax);
+      const float inv = 1.0f / sg;
+      nvfp4_build_tables(sg, &tables);
+      // Block codes: every bf16 block amax from 0 to the tensor's, 16 at a time.
+      const uint32_t top = f32_bits(amax) >> 16;
+      alignas(64) uint32_t lanes[16], got16[16];
+      for (uint32_t b0 = 0; b0 <= top; b0 += 16) {
+        for (uint32_t k = 0; k < 16; ++k) lanes[k] = (b0 + k <= top ? b0 + k : top) | 0xABCD0000u;  // high bits: noise
+        _mm512_store_si512(got16, nvfp4_block_codes_tab(_mm512_load_si512(lanes), tables));
+        for (uint32_t k = 0; k < 16; ++k) {
+          const uint32_t want_code = nvfp4_block_code(bits_f32((lanes[k] & 0xFFFFu) << 16), sg);
+          ++checked_codes;
+          if (got16[k] != want_code && bad_codes++ < 10)
+            std::printf("amax %08x block amax %04x: block code %u, tables %u\n", f32_bits(amax), lanes[k] & 0xFFFFu, want_code, got16[k]);
+        }
+      }
+      for (uint32_t t = 0; t < 119; ++t) {
+        for (uint32_t k = 0; k < 16; ++k) {
+          codes[k] = static_cast<uint8_t>(8 + (k + t) % 119);
+          factors[k] = nvfp4_block_factor(inv, codes[k]);
+        }
+        const __m512 factor = _mm512_load_ps(factors);
+        const __m512i kk = nvfp4_element_k(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes))), tables);
+        for (size_t b = 0; b < n; b += 256) {
+          nvfp4_elements256<DType::bf16>(&xs[b], factor, &want[b / 2]);
+          nvfp4_elements256_tab(&xs[b], kk, codes, tables, &got[b / 2]);
+        }
+        checked += n / 2;
+        if (std::memcmp(want.data(), got.data(), n / 2) != 0) {
+          for (size_t j = 0; j < n / 2; ++j)
+            if (want[j] != got[j] && bad++ < 10)
+              std::printf("amax %08x shift %u byte %zu (inputs %04x %04x, code %u): fp32 path %02x, tables %02x\n",
+                          f32_bits(amax), t, j, xs[2 * j], xs[2 * j + 1], codes[(j / 8) % 16], want[j], got[j]);
+        }
+      }
+    }
+  }
+  std::printf("mismatching block codes: %llu of %llu (every bf16 block amax up to the tensor's x global scales)\n",
+              static_cast<unsigned long long>(bad_codes), static_cast<unsigned long long>(checked_codes));
+  std::printf("mismatching bytes: %llu of %llu (non-NaN bf16 inputs x block codes x global scales)\n",
+              static_cast<unsigned long long>(bad), static_cast<unsigned long long>(checked));
+  // L1 timing: one batch of moderate values, block codes 40..55.
+  std::vector<uint16_t> x(256);
+  for (int i = 0; i < 256; ++i) x[i] = static_cast<uint16_t>(0x3f00 + (i * 37 % 300) + ((i & 1) << 15));
+  const float inv = 1.0f / nvfp4_global_scale(4.0f);
+  nvfp4_build_tables(nvfp4_global_scale(4.0f), &tables);
+  for (uint32_t k = 0; k < 16; ++k) {
+    codes[k] = static_cast<uint8_t>(40 + k);
+    factors[k] = nvfp4_block_factor(inv, codes[k]);
+  }
+  const __m512 factor = _mm512_load_ps(factors);
+  const __m512i kk = nvfp4_element_k(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes))), tables);
+  constexpr int kReps = 400000;
+  for (int r = 0; r < 3; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int k = 0; k < kReps; ++k) {
+      nvfp4_elements256<DType::bf16>(x.data(), factor, want.data());
+      asm volatile("" ::: "memory");
+    }
+    const auto t1 = std::chrono::steady_clock::now();
+    for (int k = 0; k < kReps; ++k) {
+      nvfp4_elements256_tab(x.data(), kk, codes, tables, got.data());
+      asm volatile("" ::: "memory");
+    }
+    const auto t2 = std::chrono::steady_clock::now();
+    const double el = 256.0 * kReps;
+    std::printf("nvfp4 elements in L1: fp32 path %.3f ns/el, tables %.3f ns/el\n",
+                std::chrono::duration<double, std::nano>(t1 - t0).count() / el,
+                std::chrono::duration<double, std::nano>(t2 - t1).count() / el);
+  }
+  return bad == 0 && bad_codes == 0 ? 0 : 1;
+}
