@@ -60,14 +60,14 @@ static const Fp8Tables<F>& fp8_tables() {
   return tables;
 }
 
-// One group's table and constant K (amax bits as the kernels compute them, s its scale).
+// One group's table and constant K (amax bits as the kernels compute them, s its scale), from
+// t = fp8_tables<F>() (fetched once per kernel call: it is a function-local static).
 struct Fp8Tab {
   const uint8_t* d;
   int32_t k;
 };
 template <class F>
-static inline Fp8Tab fp8_tab(uint32_t amax_bits, float s) {
-  const Fp8Tables<F>& t = fp8_tables<F>();
+static inline Fp8Tab fp8_tab(const Fp8Tables<F>& t, uint32_t amax_bits, float s) {
   const uint32_t i = bits_f32(amax_bits) < kAmaxMin ? 128u : (amax_bits >> 16) & 0x7Fu;
   return {t.d[i], t.base[i] - static_cast<int32_t>((f32_bits(s) >> 23) << F::kMbits)};
 }
@@ -103,12 +103,19 @@ static inline void fp8_tab_run(const uint16_t* x, int64_t n, Fp8Tab t, float s, 
 }
 #else
 constexpr bool kFp8Tables = false;
+template <class F>
+struct Fp8Tables {};
+template <class F>
+static const Fp8Tables<F>& fp8_tables() {
+  static const Fp8Tables<F> tables;
+  return tables;
+}
 struct Fp8Tab {
   const uint8_t* d;
   int32_t k;
 };
 template <class F>
-static inline Fp8Tab fp8_tab(uint32_t, float) {
+static inline Fp8Tab fp8_tab(const Fp8Tables<F>&, uint32_t, float) {
   return {nullptr, 0};
 }
 template <class F, bool kPrefetch>
