@@ -14,12 +14,13 @@
 # Without a GPU (nvcc only, as on the CPU machines), --build-only does the build and checks the
 # CUDA module is there, then stops (installs torch==2.13.0 into the venv if it lacks one).
 # Environment: PYTHON (default python3), MQ_WHEELHOUSE (default build/gpu-wheelhouse),
-# MQ_CUDA_ARCH (default "native": the GPU in the machine; e.g. "90" or "90;100").
+# MQ_CUDA_ARCH (default "native": the GPU in the machine; e.g. "90" or "90;100"), MQ_BENCH_JSON
+# (when set, after the tests: tools/bench/quant_cuda_bandwidth.py on the same build, figures here).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 WHEELHOUSE=${MQ_WHEELHOUSE:-build/gpu-wheelhouse}
-BUILD_REQS=(scikit-build-core nanobind pathspec packaging)
+BUILD_REQS=("scikit-build-core>=0.10" "nanobind>=2.4" pathspec packaging)  # as pyproject.toml
 TEST_REQS=(pytest hypothesis iniconfig pluggy sortedcontainers attrs)
 
 if [[ "${1:-}" == "--prepare" ]]; then
@@ -44,21 +45,39 @@ nvcc --version | tail -1
 
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-# A venv on top of the machine's Python (its CUDA torch stays visible); where venv is missing
-# (no ensurepip), a --target directory on PYTHONPATH instead.
-if "$PY" -m venv --system-site-packages "$TMP/venv" 2>/dev/null; then
-  VPY=$TMP/venv/bin/python
-  PIP_BASE=("$VPY" -m pip install -q --disable-pip-version-check)
-else
+# A venv on top of the machine's Python where that keeps its torch visible. When $PY is itself a
+# venv (the GPU image's python3 is /opt/torch/.venv), --system-site-packages would expose the
+# base interpreter's packages, not $PY's torch: then a --target directory on PYTHONPATH instead,
+# holding only what $PY lacks (pip --target reinstalls whatever it is asked for).
+if "$PY" -c "import sys; sys.exit(sys.prefix == sys.base_prefix)" \
+  || ! "$PY" -m venv --system-site-packages "$TMP/venv" 2>/dev/null; then
   VPY=$PY
   export PYTHONPATH="$TMP/site${PYTHONPATH:+:$PYTHONPATH}"
   PIP_BASE=("$VPY" -m pip install -q --disable-pip-version-check --target "$TMP/site")
+else
+  VPY=$TMP/venv/bin/python
+  PIP_BASE=("$VPY" -m pip install -q --disable-pip-version-check)
 fi
 PIP=("${PIP_BASE[@]}")
 if [[ -d "$WHEELHOUSE" ]]; then
   PIP+=(--no-index --find-links "$WHEELHOUSE")
 fi
-"${PIP[@]}" "${BUILD_REQS[@]}" "${TEST_REQS[@]}"
+# Ask pip only for what is missing or too old (an installed distribution satisfying the
+# requirement is kept; in --target mode pip would reinstall it and need it in the wheelhouse).
+have() {
+  "$VPY" - "$1" 2>/dev/null <<'PY'
+import importlib.metadata as md, sys
+from packaging.requirements import Requirement
+r = Requirement(sys.argv[1])
+sys.exit(0 if r.specifier.contains(md.version(r.name), prereleases=True) else 1)
+PY
+}
+NEED=()
+for req in "${BUILD_REQS[@]}" "${TEST_REQS[@]}"; do
+  have "$req" || NEED+=("$req")
+done
+echo "python: $VPY; to install: ${NEED[*]:-nothing}"
+[[ ${#NEED[@]} == 0 ]] || "${PIP[@]}" "${NEED[@]}"
 command -v cmake >/dev/null || "${PIP[@]}" cmake ninja  # scikit-build-core would download them
 if [[ $BUILD_ONLY == 1 ]] && ! "$VPY" -c "import torch" 2>/dev/null; then
   "${PIP_BASE[@]}" torch==2.13.0  # CPU machines: pip's config points at the local wheel
@@ -81,3 +100,7 @@ cd "$TMP"  # import the installed package, not the checkout's src/
 timeout 240 "$VPY" -m pytest -q -p no:cacheprovider -m gpu \
   "$OLDPWD/packages/miles-quant/tests/test_cuda.py"
 echo "quant_cuda_check: passed in $((SECONDS - start)) s"
+if [[ -n "${MQ_BENCH_JSON:-}" ]]; then
+  echo "== bandwidth (tools/bench/quant_cuda_bandwidth.py)"
+  timeout 300 "$VPY" "$OLDPWD/tools/bench/quant_cuda_bandwidth.py" --json "$MQ_BENCH_JSON"
+fi
