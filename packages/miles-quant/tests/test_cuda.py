@@ -76,9 +76,16 @@ def test_package_builds_with_the_cuda_kernels(tmp_path: Path) -> None:
 
 
 def _on_device_equals_reference(
-    device: str, fmt: str, gran: str, rule: str | None, dtype: torch.dtype, shape: tuple[int, ...]
+    device: str,
+    fmt: str,
+    gran: str,
+    rule: str | None,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    backend: str = "native",
 ) -> None:
-    """The native kernels on `device` against the torch reference on CPU, bit for bit."""
+    """`backend` (the native kernels, or the torch reference) on `device` against the torch
+    reference on CPU, bit for bit."""
     stacked = len(shape) == 3  # [E, N, K]: per-expert tensor-level scales
     g = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=g) * torch.logspace(-4, 4, shape[-1])
@@ -89,7 +96,7 @@ def _on_device_equals_reference(
     x = x.to(dtype)
     kw = {"granularity": gran, "scale_rule": rule, "stacked": stacked}
     ref = mq.quantize(x, fmt, backend="torch", **kw)  # type: ignore[arg-type]
-    got = mq.quantize(x.to(device), fmt, backend="native", **kw)  # type: ignore[arg-type]
+    got = mq.quantize(x.to(device), fmt, backend=backend, **kw)  # type: ignore[arg-type]
     if device == "cuda":
         torch.cuda.synchronize()
     cpu = mq.QuantizedTensor(
@@ -104,6 +111,8 @@ def _on_device_equals_reference(
         stacked=got.stacked,
     )
     assert_same_quantized(cpu, ref)
+    if backend != "native":
+        return
     # out= on the device: the kernels write into the earlier result's buffers, same bits.
     again = mq.quantize(x.to(device), fmt, backend="native", out=got, **kw)  # type: ignore[arg-type]
     assert again.data.data_ptr() == got.data.data_ptr()
@@ -128,10 +137,11 @@ def test_cuda_equals_reference(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_reference_backend_equals_cpu_reference() -> None:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(128, 256, generator=g).to(torch.bfloat16)
-    for fmt, gran, rule in CASES:
-        a = mq.quantize(x, fmt, granularity=gran, scale_rule=rule, backend="torch")
-        b = mq.quantize(x.cuda(), fmt, granularity=gran, scale_rule=rule, backend="torch")
-        assert torch.equal(a.data.view(torch.uint8), b.data.cpu().view(torch.uint8)), fmt
+@pytest.mark.parametrize(("fmt", "gran", "rule"), CASES, ids=[f"{f}-{g}-{r}" for f, g, r in CASES])
+@pytest.mark.parametrize("shape", SHAPES, ids=["2d", "stacked"])
+def test_cuda_reference_backend_equals_cpu_reference(
+    fmt: str, gran: str, rule: str | None, shape: tuple[int, ...]
+) -> None:
+    # The torch reference on CUDA tensors (what QAT's fake quantization runs on a GPU): its
+    # divisions must not become multiplications by a reciprocal (test_reference_divisions.py).
+    _on_device_equals_reference("cuda", fmt, gran, rule, torch.bfloat16, shape, backend="torch")

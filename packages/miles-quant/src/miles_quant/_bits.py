@@ -23,6 +23,14 @@ def f32_bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
+def div(x: torch.Tensor, v: float) -> torch.Tensor:
+    """x / v, correctly rounded on every device. PyTorch's CUDA true division by a Python number
+    (a CPU scalar) computes x * (1 / v), which can be one ulp off x / v (an FP8 scale amax / 448
+    on a GPU differed so from the CPU and the kernels); a divisor tensor on x's device takes the
+    elementwise a / b path there. On CPU this is the same operation as x / v."""
+    return x / torch.full((), v, dtype=x.dtype, device=x.device)
+
+
 def bits_f32(b: torch.Tensor) -> torch.Tensor:
     """int64 bit patterns (0 .. 2^32-1) -> fp32 tensor."""
     b = torch.where(b >= 2**31, b - 2**32, b)
@@ -101,7 +109,7 @@ def e8m0_even(amax_bits: torch.Tensor, el: Element) -> torch.Tensor:
 
 def e8m0_rceil(amax_bits: torch.Tensor, el: Element) -> torch.Tensor:
     """NVIDIA RCEIL: d = amax / max_elem in fp32, rounded up to a power of two on its bits."""
-    d = f32_bits(bits_f32(amax_bits) / el.max_value)
+    d = f32_bits(div(bits_f32(amax_bits), el.max_value))
     field = d >> 23
     mant = d & 0x007FFFFF
     sub = (mant > 0x00400000).to(torch.int64)

@@ -119,7 +119,7 @@ class DelayedScaler:
         hist = self._history_max()
         # No host synchronisation here: a zero history max falls back to x's own amax.
         used = amax_now if hist is None else torch.where(hist > 0, hist, amax_now)
-        scale = torch.clamp_min(used, AMAX_MIN) / el.max_value
+        scale = _bits.div(torch.clamp_min(used, AMAX_MIN), el.max_value)
         if self.margin:
             scale = scale * (2.0**self.margin)
         if finite:

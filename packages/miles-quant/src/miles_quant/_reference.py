@@ -96,7 +96,7 @@ def fp8(
         xf = _pad(x.to(torch.float32), tr, tc)
         amax = _tile_amax_bits(xf, tr, tc)
     poisoned = amax >= F32_INF_BITS
-    s = torch.maximum(_bits.bits_f32(amax), _amax_min(x.device)) / el.max_value
+    s = _bits.div(torch.maximum(_bits.bits_f32(amax), _amax_min(x.device)), el.max_value)
     s_el = _expand(s, tr, tc)[:, : xf.shape[1], : xf.shape[2]]
     codes = _bits.encode(xf / s_el, el)
     p_el = _expand(poisoned, tr, tc)[:, : xf.shape[1], : xf.shape[2]]
@@ -146,11 +146,11 @@ def nvfp4(x: torch.Tensor, tile16x16: bool) -> tuple[torch.Tensor, torch.Tensor,
     xf0 = x.to(torch.float32)
     gamax = _matrix_amax_bits(xf0)
     gpoison = gamax >= F32_INF_BITS
-    sg = torch.maximum(_bits.bits_f32(gamax), _amax_min(x.device)) / NVFP4_GLOBAL_DIVISOR
-    inv = 1.0 / sg
+    sg = _bits.div(torch.maximum(_bits.bits_f32(gamax), _amax_min(x.device)), NVFP4_GLOBAL_DIVISOR)
+    inv = torch.ones_like(sg) / sg
     xf = _pad(xf0, tr, 16)
     amax = _tile_amax_bits(xf, tr, 16)  # [B, nR, nC]
-    bs = (_bits.bits_f32(amax) / E2M1.max_value) / sg.view(b, 1, 1)
+    bs = _bits.div(_bits.bits_f32(amax), E2M1.max_value) / sg.view(b, 1, 1)
     bs = torch.clamp(bs, min=NVFP4_BLOCK_SCALE_MIN, max=E4M3.max_value)
     code = _bits.encode(bs, E4M3)
     factor = inv.view(b, 1, 1) / _bits.decode(code, E4M3)
@@ -178,7 +178,7 @@ def int4(
     xf = _pad(x.to(torch.float32).unsqueeze(0), 1, group)
     amax = _tile_amax_bits(xf, 1, group)
     poisoned = amax >= F32_INF_BITS
-    s = torch.clamp(_bits.bits_f32(amax) / INT4_QMAX, min=INT4_SCALE_MIN)
+    s = torch.clamp(_bits.div(_bits.bits_f32(amax), INT4_QMAX), min=INT4_SCALE_MIN)
     if scale_dtype == torch.float16:  # saturate, as the native fp32 -> fp16 conversion does
         s = torch.clamp(s, max=65504.0)
     s_store = torch.where(poisoned, _nan_of(scale_dtype, x.device), s.to(scale_dtype))
