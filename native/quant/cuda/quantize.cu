@@ -3,9 +3,11 @@
 // come from the same operations in the same order as on the CPU. Build flags (CMakeLists.txt):
 // -fmad=false (no FMA contraction), -prec-div=true, no --use_fast_math, no -ftz.
 //
-// Layout: one CUDA block of 256 threads per scale group (FP8 tiles, INT4 and MX groups are
-// small, so each thread handles a few elements); tensor-level amax (FP8 per tensor, the NVFP4
-// global scale) is an atomicMax over |x| bits, which order like the values with NaN above Inf.
+// Layout: rows whose length is a multiple of 8, with aligned buffers, take the vectorized
+// kernels (a thread per 8 elements, a 1-row group on adjacent lanes of a warp, a 128x128 FP8
+// tile per CTA); other shapes take the scalar kernels (a CTA per FP8 tile, a thread per MX, INT4
+// or NVFP4 group). Tensor-level amax (FP8 per tensor, the NVFP4 global scale) is an atomicMax
+// over |x| bits, which order like the values with NaN above Inf.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -197,11 +199,254 @@ __global__ void int4_kernel(Int4Args a) {
   }
 }
 
+
+// ---- vectorized paths -----------------------------------------------------------------------
+// Where a row's length is a multiple of 8 and the buffers are aligned, each thread takes one
+// chunk of 8 consecutive elements (one 16-byte load of bf16/fp16, two of fp32) and a 1-row group
+// of G elements is G/8 adjacent lanes of a warp, whose amax meets by shuffles. Rows are padded
+// to whole groups (lanes past the row's end hold amax 0, as the partial group has no such
+// elements, and write nothing). Every lane of a group computes the group's scale with the same
+// contract.h function as the scalar kernels above, so the bits are the same.
+
+template <DType D>
+__device__ __forceinline__ void load8(const void* x, int64_t i, float (&v)[8]) {
+  if (D == DType::f32) {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(x) + i);
+    const float4 a = p[0], b = p[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+    const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + i);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // little endian: element 2k is the low half of word k
+      const uint16_t lo = static_cast<uint16_t>(w[k] & 0xFFFFu), hi = static_cast<uint16_t>(w[k] >> 16);
+      v[2 * k] = D == DType::bf16 ? bf16_to_f32(lo) : f16_to_f32(lo);
+      v[2 * k + 1] = D == DType::bf16 ? bf16_to_f32(hi) : f16_to_f32(hi);
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t amax8(const float (&v)[8]) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const uint32_t a = abs_bits(v[k]);
+    m = a > m ? a : m;
+  }
+  return m;
+}
+
+// Max over the L lanes of an aligned segment (L a power of two dividing 32); every lane of the
+// warp must call it.
+template <int L>
+__device__ __forceinline__ uint32_t lanes_max(uint32_t m) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) {
+    const uint32_t other = __shfl_xor_sync(0xFFFFFFFFu, m, o);
+    m = other > m ? other : m;
+  }
+  return m;
+}
+
+__device__ __forceinline__ void store8(uint8_t* out, const uint32_t (&c)[8]) {
+  uint2 w;
+  w.x = c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24);
+  w.y = c[4] | (c[5] << 8) | (c[6] << 16) | (c[7] << 24);
+  *reinterpret_cast<uint2*>(out) = w;
+}
+
+__device__ __forceinline__ void store8_nibbles(uint8_t* out, const uint32_t (&c)[8]) {
+  const uint32_t w = (c[0] | (c[1] << 4)) | ((c[2] | (c[3] << 4)) << 8) | ((c[4] | (c[5] << 4)) << 16) |
+                     ((c[6] | (c[7] << 4)) << 24);
+  *reinterpret_cast<uint32_t*>(out) = w;
+}
+
+// The chunk a thread owns in rows of C elements (C % 8 == 0), rows padded to groups of G.
+template <int G>
+struct Chunk {
+  int64_t r, c;  // row, chunk within the padded row
+  bool valid;    // inside the matrix (else amax 0, no stores)
+  __device__ Chunk(int64_t rows, int64_t C) {
+    const int64_t cpr = ((C + G - 1) / G) * (G / 8);
+    const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+    r = t / cpr;
+    c = t - r * cpr;
+    valid = r < rows && c * 8 < C;
+  }
+  __device__ bool leader() const { return valid && c % (G / 8) == 0; }
+  __device__ int64_t group(int64_t C) const { return r * ((C + G - 1) / G) + c / (G / 8); }
+};
+
+template <int G>
+int64_t chunk_threads(int64_t rows, int64_t C) {
+  return rows * ((C + G - 1) / G) * (G / 8);
+}
+
+template <DType D, class F>
+__global__ void mx_vec_kernel(MxArgs a) {
+  constexpr bool kPacked = F::kEbits + F::kMbits == 3;
+  const int64_t C = a.cols;
+  const Chunk<32> ch(a.rows, C);
+  float v[8] = {};
+  if (ch.valid) load8<D>(a.x, ch.r * C + ch.c * 8, v);
+  const uint32_t amax = lanes_max<4>(ch.valid ? amax8(v) : 0u);
+  if (!ch.valid) return;
+  const bool poisoned = is_poisoned(amax);
+  const uint32_t sc = poisoned ? kE8M0Nan : e8m0_code<F>(a.rule, amax);
+  const float m = poisoned ? 0.0f : e8m0_inverse(sc);
+  if (ch.leader()) a.scales[ch.group(C)] = static_cast<uint8_t>(sc);
+  uint32_t c[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) c[k] = poisoned ? (kPacked ? 0u : F::kNanCode) : encode<F>(v[k] * m);
+  if (kPacked)
+    store8_nibbles(a.out + ch.r * (C / 2) + ch.c * 4, c);
+  else
+    store8(a.out + ch.r * C + ch.c * 8, c);
+}
+
+template <DType D, int G>
+__global__ void int4_vec_kernel(Int4Args a) {
+  const int64_t C = a.cols;
+  const Chunk<G> ch(a.rows, C);
+  float v[8] = {};
+  if (ch.valid) load8<D>(a.x, ch.r * C + ch.c * 8, v);
+  const uint32_t amax = lanes_max<G / 8>(ch.valid ? amax8(v) : 0u);
+  if (!ch.valid) return;
+  const bool poisoned = is_poisoned(amax);
+  const float s0 = poisoned ? bits_f32(kF32QuietNan) : int4_scale(bits_f32(amax));
+  float s = s0;  // the scale as stored, widened back (store_scale's rounding)
+  if (a.scale_dtype == DType::bf16) s = bf16_to_f32(f32_to_bf16(s0));
+  if (a.scale_dtype == DType::f16) s = f16_to_f32(f32_to_f16_satfinite(s0));
+  if (ch.leader()) store_scale(s0, a.scale_dtype, a.scales, ch.group(C));
+  uint32_t c[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) c[k] = poisoned ? 8u : int4_code(v[k], s);
+  store8_nibbles(a.out + ch.r * (C / 2) + ch.c * 4, c);
+}
+
+template <DType D>
+__global__ void nvfp4_vec_kernel(Nvfp4Args a, const uint32_t* gamax) {
+  const int64_t C = a.cols;
+  const Chunk<16> ch(a.batch * a.rows, C);
+  float v[8] = {};
+  if (ch.valid) load8<D>(a.x, ch.r * C + ch.c * 8, v);
+  const uint32_t amax = lanes_max<2>(ch.valid ? amax8(v) : 0u);
+  if (!ch.valid) return;
+  const uint32_t g = gamax[ch.r / a.rows];
+  const bool poisoned = is_poisoned(g);
+  const float sg = poisoned ? 0.0f : nvfp4_global_scale(bits_f32(g));
+  const uint32_t code = poisoned ? E4M3::kNanCode : nvfp4_block_code(bits_f32(amax), sg);
+  const float factor = poisoned ? 0.0f : nvfp4_block_factor(1.0f / sg, code);
+  if (ch.leader()) a.scales[ch.group(C)] = static_cast<uint8_t>(code);
+  uint32_t c[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) c[k] = poisoned ? 0u : encode<E2M1>(v[k] * factor);
+  store8_nibbles(a.out + ch.r * (C / 2) + ch.c * 4, c);
+}
+
+// FP8 1x128 (tile_rows 1, tile_cols 128): scales [batch * rows, ceil(cols / 128)].
+template <DType D, class F>
+__global__ void fp8_1x128_vec_kernel(Fp8Args a) {
+  const int64_t C = a.cols;
+  const Chunk<128> ch(a.batch * a.rows, C);
+  float v[8] = {};
+  if (ch.valid) load8<D>(a.x, ch.r * C + ch.c * 8, v);
+  const uint32_t amax = lanes_max<16>(ch.valid ? amax8(v) : 0u);
+  if (!ch.valid) return;
+  const bool poisoned = is_poisoned(amax);
+  const float s = poisoned ? bits_f32(kF32QuietNan) : fp8_scale<F>(bits_f32(amax));
+  if (ch.leader()) a.scales[ch.group(C)] = s;
+  uint32_t c[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) c[k] = poisoned ? F::kNanCode : encode<F>(v[k] / s);
+  store8(a.out + ch.r * C + ch.c * 8, c);
+}
+
+// FP8 128x128 tiles, C % 8 == 0: one CTA of 256 threads per tile, 16 chunks x 16 rows a pass.
+template <DType D, class F>
+__global__ void fp8_block_vec_kernel(Fp8Args a) {
+  __shared__ uint32_t warp_max[kThreads / 32];
+  const int64_t R = a.rows, C = a.cols;
+  const int64_t nr = (R + 127) / 128, nc = (C + 127) / 128;
+  const int64_t t = blockIdx.x;
+  const int64_t b = t / (nr * nc), i = (t / nc) % nr, j = t % nc;
+  const int64_t r0 = b * R + i * 128, r1 = b * R + imin(R, (i + 1) * 128);
+  const int64_t col = j * 128 + (threadIdx.x % 16) * 8;
+  const bool col_ok = col < C;
+  uint32_t m = 0;
+  float v[8];
+  for (int64_t r = r0 + threadIdx.x / 16; r < r1; r += kThreads / 16) {
+    if (!col_ok) break;
+    load8<D>(a.x, r * C + col, v);
+    const uint32_t x = amax8(v);
+    m = x > m ? x : m;
+  }
+  m = lanes_max<32>(m);
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  uint32_t amax = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) amax = warp_max[w] > amax ? warp_max[w] : amax;
+  const bool poisoned = is_poisoned(amax);
+  const float s = poisoned ? bits_f32(kF32QuietNan) : fp8_scale<F>(bits_f32(amax));
+  if (threadIdx.x == 0) a.scales[t] = s;
+  if (!col_ok) return;
+  for (int64_t r = r0 + threadIdx.x / 16; r < r1; r += kThreads / 16) {
+    load8<D>(a.x, r * C + col, v);
+    uint32_t c[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) c[k] = poisoned ? F::kNanCode : encode<F>(v[k] / s);
+    store8(a.out + r * C + col, c);
+  }
+}
+
+// Per-matrix amax of matrices of `per` elements (per % 8 == 0): one atomicMax per warp.
+template <DType D>
+__global__ void amax_vec_kernel(const void* x, int64_t per, uint32_t* amax) {
+  const int64_t b = blockIdx.y, chunks = per / 8;
+  uint32_t m = 0;
+  float v[8];
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < chunks;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    load8<D>(x, b * per + i * 8, v);
+    const uint32_t a = amax8(v);
+    m = a > m ? a : m;
+  }
+  m = lanes_max<32>(m);
+  if (threadIdx.x % 32 == 0) atomicMax(amax + b, m);
+}
+
+template <DType D, class F>
+__global__ void fp8_flat_vec_kernel(Fp8Args a, const uint32_t* amax) {
+  const int64_t per = a.rows * a.cols, b = blockIdx.y, chunks = per / 8;
+  const bool poisoned = is_poisoned(amax[b]);
+  const float s = poisoned ? 0.0f : fp8_scale<F>(bits_f32(amax[b]));
+  float v[8];
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < chunks;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t idx = b * per + i * 8;
+    load8<D>(a.x, idx, v);
+    uint32_t c[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) c[k] = poisoned ? F::kNanCode : encode<F>(v[k] / s);
+    store8(a.out + idx, c);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) a.scales[b] = poisoned ? bits_f32(kF32QuietNan) : s;
+}
+
 // ---- launchers --------------------------------------------------------------------------------
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 unsigned grid_for(int64_t n) { return static_cast<unsigned>(cdiv(n > 0 ? n : 1, kThreads)); }
+
+bool aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
+
+// The vectorized kernels need rows of whole chunks of 8 and 16-byte aligned input (8-byte
+// aligned FP8 output, 4-byte aligned packed output); anything else takes the scalar kernels.
+bool vec_ok(const void* x, int64_t cols, const uint8_t* out, bool packed) {
+  return cols > 0 && cols % 8 == 0 && aligned(x, 16) && aligned(out, packed ? 4 : 8);
+}
 
 template <template <DType> class K, class Args>
 int by_dtype(const Args& a, cudaStream_t s) {
@@ -217,8 +462,13 @@ uint32_t* matrix_amax(const void* x, int64_t B, int64_t per, cudaStream_t s) {
   if (cudaMallocAsync(&amax, sizeof(uint32_t) * (B > 0 ? B : 1), s) != cudaSuccess) return nullptr;
   cudaMemsetAsync(amax, 0, sizeof(uint32_t) * (B > 0 ? B : 1), s);
   if (B > 0 && per > 0) {
-    const unsigned gx = static_cast<unsigned>(imin(cdiv(per, kThreads), 1024));
-    amax_kernel<D><<<dim3(gx, static_cast<unsigned>(B)), kThreads, 0, s>>>(x, per, amax);
+    if (per % 8 == 0 && aligned(x, 16)) {
+      const unsigned gx = static_cast<unsigned>(imin(cdiv(per / 8, kThreads), 1024));
+      amax_vec_kernel<D><<<dim3(gx, static_cast<unsigned>(B)), kThreads, 0, s>>>(x, per, amax);
+    } else {
+      const unsigned gx = static_cast<unsigned>(imin(cdiv(per, kThreads), 1024));
+      amax_kernel<D><<<dim3(gx, static_cast<unsigned>(B)), kThreads, 0, s>>>(x, per, amax);
+    }
   }
   return amax;
 }
@@ -231,7 +481,13 @@ struct Fp8Launch {
       const int64_t per = a.rows * a.cols;
       uint32_t* amax = matrix_amax<D>(a.x, a.batch, per, s);
       if (amax == nullptr) return static_cast<int>(cudaGetLastError());
-      if (a.batch > 0) {
+      if (a.batch > 0 && per % 8 == 0 && per > 0 && aligned(a.x, 16) && aligned(a.out, 8)) {
+        const dim3 grid(static_cast<unsigned>(imin(cdiv(per / 8, kThreads), 4096)), static_cast<unsigned>(a.batch));
+        if (e4m3)
+          fp8_flat_vec_kernel<D, E4M3><<<grid, kThreads, 0, s>>>(a, amax);
+        else
+          fp8_flat_vec_kernel<D, E5M2><<<grid, kThreads, 0, s>>>(a, amax);
+      } else if (a.batch > 0) {
         const dim3 grid(static_cast<unsigned>(imin(cdiv(per > 0 ? per : 1, kThreads), 4096)),
                         static_cast<unsigned>(a.batch));
         if (e4m3)
@@ -243,7 +499,19 @@ struct Fp8Launch {
       return static_cast<int>(cudaGetLastError());
     }
     const int64_t tiles = a.batch * cdiv(a.rows, a.tile_rows) * cdiv(a.cols, a.tile_cols);
-    if (tiles > 0) {
+    const bool vec = tiles > 0 && vec_ok(a.x, a.cols, a.out, false);
+    if (vec && a.tile_rows == 1 && a.tile_cols == 128) {
+      const unsigned grid = grid_for(chunk_threads<128>(a.batch * a.rows, a.cols));
+      if (e4m3)
+        fp8_1x128_vec_kernel<D, E4M3><<<grid, kThreads, 0, s>>>(a);
+      else
+        fp8_1x128_vec_kernel<D, E5M2><<<grid, kThreads, 0, s>>>(a);
+    } else if (vec && a.tile_rows == 128 && a.tile_cols == 128) {
+      if (e4m3)
+        fp8_block_vec_kernel<D, E4M3><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(a);
+      else
+        fp8_block_vec_kernel<D, E5M2><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(a);
+    } else if (tiles > 0) {
       if (e4m3)
         fp8_tiles_kernel<D, E4M3><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(a);
       else
@@ -257,7 +525,12 @@ template <DType D>
 struct MxLaunch {
   static int run(const MxArgs& a, cudaStream_t s) {
     const int64_t groups = a.rows * cdiv(a.cols, 32);
-    if (groups > 0) {
+    if (groups > 0 && vec_ok(a.x, a.cols, a.out, a.elem == Elem::e2m1)) {
+      const unsigned grid = grid_for(chunk_threads<32>(a.rows, a.cols));
+      if (a.elem == Elem::e4m3) mx_vec_kernel<D, E4M3><<<grid, kThreads, 0, s>>>(a);
+      if (a.elem == Elem::e5m2) mx_vec_kernel<D, E5M2><<<grid, kThreads, 0, s>>>(a);
+      if (a.elem == Elem::e2m1) mx_vec_kernel<D, E2M1><<<grid, kThreads, 0, s>>>(a);
+    } else if (groups > 0) {
       if (a.elem == Elem::e4m3) mx_kernel<D, E4M3><<<grid_for(groups), kThreads, 0, s>>>(a);
       if (a.elem == Elem::e5m2) mx_kernel<D, E5M2><<<grid_for(groups), kThreads, 0, s>>>(a);
       if (a.elem == Elem::e2m1) mx_kernel<D, E2M1><<<grid_for(groups), kThreads, 0, s>>>(a);
@@ -280,7 +553,10 @@ struct Nvfp4Launch {
     // Global scales first (also for matrices with no elements), then the blocks.
     if (a.batch > 0) nvfp4_global_only<<<grid_for(a.batch), kThreads, 0, s>>>(a, gamax);
     const int64_t tiles = a.batch * cdiv(a.rows, a.tile16x16 ? 16 : 1) * cdiv(a.cols, 16);
-    if (tiles > 0) nvfp4_kernel<D><<<grid_for(tiles), kThreads, 0, s>>>(a, gamax);
+    if (tiles > 0 && !a.tile16x16 && vec_ok(a.x, a.cols, a.out, true))
+      nvfp4_vec_kernel<D><<<grid_for(chunk_threads<16>(a.batch * a.rows, a.cols)), kThreads, 0, s>>>(a, gamax);
+    else if (tiles > 0)
+      nvfp4_kernel<D><<<grid_for(tiles), kThreads, 0, s>>>(a, gamax);
     cudaFreeAsync(gamax, s);
     return static_cast<int>(cudaGetLastError());
   }
@@ -290,7 +566,13 @@ template <DType D>
 struct Int4Launch {
   static int run(const Int4Args& a, cudaStream_t s) {
     const int64_t groups = a.rows * cdiv(a.cols, a.group);
-    if (groups > 0) int4_kernel<D><<<grid_for(groups), kThreads, 0, s>>>(a);
+    const bool vec = groups > 0 && vec_ok(a.x, a.cols, a.out, true);
+    if (vec && a.group == 32)
+      int4_vec_kernel<D, 32><<<grid_for(chunk_threads<32>(a.rows, a.cols)), kThreads, 0, s>>>(a);
+    else if (vec && a.group == 128)
+      int4_vec_kernel<D, 128><<<grid_for(chunk_threads<128>(a.rows, a.cols)), kThreads, 0, s>>>(a);
+    else if (groups > 0)
+      int4_kernel<D><<<grid_for(groups), kThreads, 0, s>>>(a);
     return static_cast<int>(cudaGetLastError());
   }
 };

@@ -119,16 +119,19 @@ def _on_device_equals_reference(
     assert torch.equal(again.data.cpu().view(torch.uint8), ref.data.view(torch.uint8))
 
 
-# 2-D with a partial 1x128 group and an even K; stacked experts with an odd K (a pad nibble in
-# packed rows, partial blocks of every size) and N not a multiple of 16 or 128.
-SHAPES = [(300, 544), (3, 40, 97)]
+# 2-D with a partial 1x128 group and K a multiple of 8 (the vectorized kernels); stacked experts
+# with an odd K (the scalar kernels: a pad nibble in packed rows, partial blocks of every size)
+# and N not a multiple of 16 or 128; stacked experts with K a multiple of 8 (vectorized, each
+# expert's own tensor-level scale; the NaN poisons expert 0 only).
+SHAPES = [(300, 544), (3, 40, 97), (2, 72, 160)]
+SHAPE_IDS = ["2d", "stacked", "stacked-vec"]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("fmt", "gran", "rule"), CASES, ids=[f"{f}-{g}-{r}" for f, g, r in CASES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES, ids=["2d", "stacked"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_cuda_equals_reference(
     fmt: str, gran: str, rule: str | None, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> None:
@@ -138,7 +141,7 @@ def test_cuda_equals_reference(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("fmt", "gran", "rule"), CASES, ids=[f"{f}-{g}-{r}" for f, g, r in CASES])
-@pytest.mark.parametrize("shape", SHAPES, ids=["2d", "stacked"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_cuda_reference_backend_equals_cpu_reference(
     fmt: str, gran: str, rule: str | None, shape: tuple[int, ...]
 ) -> None:
