@@ -8,6 +8,7 @@
 // tile per CTA); other shapes take the scalar kernels (a CTA per FP8 tile, a thread per MX, INT4
 // or NVFP4 group). Tensor-level amax (FP8 per tensor, the NVFP4 global scale) is an atomicMax
 // over |x| bits, which order like the values with NaN above Inf.
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -60,6 +61,25 @@ __global__ void amax_kernel(const void* x, int64_t per, uint32_t* amax) {
   atomicMax(amax + b, m);
 }
 
+// FP8 elements: Ada/Hopper and newer convert fp32 to E4M3/E5M2 in hardware (cvt.rn.satfinite),
+// the same function as the contract's encode<F> on every finite and infinite fp32 input:
+// tools/bench/quant_cuda_cvt_probe.cu compares all 2^32 patterns (0 differ on an H200, where the
+// conversion ran 2.5x the elements/s of the integer-bit encode). They differ only on NaN, which
+// these kernels never encode (a group holding a NaN is poisoned and written as the NaN code).
+// E2M1 keeps the integer-bit encode (its hardware conversion needs sm_100a).
+template <class F>
+__device__ __forceinline__ uint32_t encode_fp8(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if constexpr (F::kEbits + F::kMbits == 7) {
+    return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, F::kMbits == 3 ? __NV_E4M3 : __NV_E5M2);
+  } else {
+    return encode<F>(x);
+  }
+#else
+  return encode<F>(x);
+#endif
+}
+
 // ---- FP8 ----------------------------------------------------------------------------------
 
 template <DType D, class F>
@@ -78,7 +98,7 @@ __global__ void fp8_tiles_kernel(Fp8Args a) {
   const int64_t w = c1 - c0, n = (r1 - r0) * w;
   for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
     const int64_t idx = (r0 + k / w) * C + c0 + k % w;
-    a.out[idx] = static_cast<uint8_t>(poisoned ? F::kNanCode : encode<F>(load_f32<D>(a.x, idx) / s));
+    a.out[idx] = static_cast<uint8_t>(poisoned ? F::kNanCode : encode_fp8<F>(load_f32<D>(a.x, idx) / s));
   }
 }
 
@@ -90,7 +110,7 @@ __global__ void fp8_flat_kernel(Fp8Args a, const uint32_t* amax) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < per;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t idx = b * per + i;
-    a.out[idx] = static_cast<uint8_t>(poisoned ? F::kNanCode : encode<F>(load_f32<D>(a.x, idx) / s));
+    a.out[idx] = static_cast<uint8_t>(poisoned ? F::kNanCode : encode_fp8<F>(load_f32<D>(a.x, idx) / s));
   }
   if (blockIdx.x == 0 && threadIdx.x == 0)
     a.scales[b] = poisoned ? bits_f32(kF32QuietNan) : s;
@@ -118,13 +138,13 @@ __global__ void mx_kernel(MxArgs a) {
   if (kPacked) {
     uint8_t* out = a.out + r * ((C + 1) / 2) + j0 / 2;
     for (int64_t k = 0; k < n; k += 2) {
-      const uint32_t lo = poisoned ? 0u : encode<F>(load_f32<D>(a.x, base + k) * m);
-      const uint32_t hi = (k + 1 < n && !poisoned) ? encode<F>(load_f32<D>(a.x, base + k + 1) * m) : 0u;
+      const uint32_t lo = poisoned ? 0u : encode_fp8<F>(load_f32<D>(a.x, base + k) * m);
+      const uint32_t hi = (k + 1 < n && !poisoned) ? encode_fp8<F>(load_f32<D>(a.x, base + k + 1) * m) : 0u;
       out[k / 2] = static_cast<uint8_t>(lo | (hi << 4));
     }
   } else {
     for (int64_t k = 0; k < n; ++k)
-      a.out[base + k] = static_cast<uint8_t>(poisoned ? F::kNanCode : encode<F>(load_f32<D>(a.x, base + k) * m));
+      a.out[base + k] = static_cast<uint8_t>(poisoned ? F::kNanCode : encode_fp8<F>(load_f32<D>(a.x, base + k) * m));
   }
 }
 
@@ -297,7 +317,7 @@ __global__ void mx_vec_kernel(MxArgs a) {
   if (ch.leader()) a.scales[ch.group(C)] = static_cast<uint8_t>(sc);
   uint32_t c[8];
 #pragma unroll
-  for (int k = 0; k < 8; ++k) c[k] = poisoned ? (kPacked ? 0u : F::kNanCode) : encode<F>(v[k] * m);
+  for (int k = 0; k < 8; ++k) c[k] = poisoned ? (kPacked ? 0u : F::kNanCode) : encode_fp8<F>(v[k] * m);
   if (kPacked)
     store8_nibbles(a.out + ch.r * (C / 2) + ch.c * 4, c);
   else
@@ -358,7 +378,7 @@ __global__ void fp8_1x128_vec_kernel(Fp8Args a) {
   if (ch.leader()) a.scales[ch.group(C)] = s;
   uint32_t c[8];
 #pragma unroll
-  for (int k = 0; k < 8; ++k) c[k] = poisoned ? F::kNanCode : encode<F>(v[k] / s);
+  for (int k = 0; k < 8; ++k) c[k] = poisoned ? F::kNanCode : encode_fp8<F>(v[k] / s);
   store8(a.out + ch.r * C + ch.c * 8, c);
 }
 
@@ -395,7 +415,7 @@ __global__ void fp8_block_vec_kernel(Fp8Args a) {
     load8<D>(a.x, r * C + col, v);
     uint32_t c[8];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) c[k] = poisoned ? F::kNanCode : encode<F>(v[k] / s);
+    for (int k = 0; k < 8; ++k) c[k] = poisoned ? F::kNanCode : encode_fp8<F>(v[k] / s);
     store8(a.out + r * C + col, c);
   }
 }
@@ -428,7 +448,7 @@ __global__ void fp8_flat_vec_kernel(Fp8Args a, const uint32_t* amax) {
     load8<D>(a.x, idx, v);
     uint32_t c[8];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) c[k] = poisoned ? F::kNanCode : encode<F>(v[k] / s);
+    for (int k = 0; k < 8; ++k) c[k] = poisoned ? F::kNanCode : encode_fp8<F>(v[k] / s);
     store8(a.out + idx, c);
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) a.scales[b] = poisoned ? bits_f32(kF32QuietNan) : s;
