@@ -22,68 +22,16 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
+# The CPU bench beside this file (its directory is sys.path[0] when run as a script): the same
+# shapes, formats, timed-method record, byte count and torchao peers.
+from quant_bandwidth import FORMATS, SHAPES, Method, _nbytes, _torchao
+
 import miles_quant as mq
-
-SHAPES = {"4096x4096": (4096, 4096), "8192x7168": (8192, 7168), "moe8x2048x7168": (8, 2048, 7168)}
-FORMATS = [
-    ("fp8_e4m3 tensor", "fp8_e4m3", "tensor", None),
-    ("fp8_e4m3 1x128", "fp8_e4m3", "1x128", None),
-    ("fp8_block128", "fp8_block128", "128x128", None),
-    ("mxfp8_e4m3 floor", "mxfp8_e4m3", "1x32", "floor"),
-    ("mxfp8_e4m3 rceil", "mxfp8_e4m3", "1x32", "rceil"),
-    ("mxfp4 floor", "mxfp4", "1x32", "floor"),
-    ("nvfp4 1x16", "nvfp4", "1x16", None),
-    ("int4_g128", "int4_g128", "1x128", None),
-]
-
-
-@dataclass
-class Method:
-    name: str
-    fn: Callable[[], object]
-    nbytes: int
-    times: list[float] = field(default_factory=list)  # seconds per call, one per round
-
-    def gbps(self, stat: str) -> float:
-        t = min(self.times) if stat == "best" else statistics.median(self.times)
-        return self.nbytes / t / 1e9
-
-
-def _nbytes(q: mq.QuantizedTensor) -> int:
-    g = 0 if q.global_scale is None else q.global_scale.nbytes
-    return q.data.nbytes + q.scales.nbytes + g
-
-
-@functools.cache
-def _torchao() -> tuple[Callable[..., object], Callable[..., object]] | None:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from torchao.prototype.mx_formats.config import ScaleCalculationMode
-            from torchao.prototype.mx_formats.mx_tensor import to_mx
-            from torchao.prototype.mx_formats.nvfp4_tensor import (
-                nvfp4_quantize,
-                per_tensor_amax_to_scale,
-            )
-    except Exception as e:  # not installed, or built for another torch
-        print(f"torchao: not used ({type(e).__name__}: {e})")
-        return None
-    modes = {"floor": ScaleCalculationMode.FLOOR, "rceil": ScaleCalculationMode.RCEIL}
-
-    def mx(x: torch.Tensor, elem: torch.dtype, rule: str) -> object:
-        return to_mx(x, elem, 32, modes[rule])
-
-    def nvfp4(x: torch.Tensor) -> object:
-        return nvfp4_quantize(x, 16, per_tensor_amax_to_scale(x.abs().amax().float()))
-
-    return mx, nvfp4
 
 
 def methods_for(x: torch.Tensor, fmt: str, gran: str, rule: str | None) -> list[Method]:
@@ -93,22 +41,22 @@ def methods_for(x: torch.Tensor, fmt: str, gran: str, rule: str | None) -> list[
     )
     q = quantize(backend="native")
     moved = x.nbytes + _nbytes(q)
-    ms = [Method("native", functools.partial(quantize, backend="native", out=q), moved)]
-    ms.append(Method("reference", functools.partial(quantize, backend="torch"), moved))
+    ms = [Method("native", 1, functools.partial(quantize, backend="native", out=q), moved)]
+    ms.append(Method("reference", 1, functools.partial(quantize, backend="torch"), moved))
     el = mq.FORMATS[fmt].element
     if el is not None and el.torch_dtype is not None and fmt != "mxfp4":
         dst = torch.empty(x.shape, dtype=el.torch_dtype, device=x.device)
-        ms.append(Method("torch cast", functools.partial(dst.copy_, x), x.nbytes + dst.nbytes))
+        ms.append(Method("torch cast", 1, functools.partial(dst.copy_, x), x.nbytes + dst.nbytes))
     ao = _torchao()
     if ao is not None and mq.FORMATS[fmt].family in ("mx", "nvfp4"):
-        mx, nvfp4 = ao
+        mx, nvfp4, _ = ao
         x2 = x.reshape(-1, x.shape[-1])
         if fmt == "nvfp4":
             fn: Callable[[], object] = functools.partial(nvfp4, x2)
         else:
             elem = torch.float4_e2m1fn_x2 if fmt == "mxfp4" else el.torch_dtype  # type: ignore[union-attr]
             fn = functools.partial(mx, x2, elem, rule or "floor")
-        ms.append(Method("torchao eager", fn, moved))
+        ms.append(Method("torchao eager", 1, fn, moved))
     return ms
 
 
@@ -128,7 +76,7 @@ def run_shape(shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, obj
     formats = [f for f in FORMATS if not args.formats or f[1] in args.formats]
     per_format = {label: methods_for(x, f, gr, r) for label, f, gr, r in formats}
     dst = torch.empty_like(x)
-    copy = Method("copy", functools.partial(dst.copy_, x), 2 * x.nbytes)
+    copy = Method("copy", 1, functools.partial(dst.copy_, x), 2 * x.nbytes)
     everything = [copy] + [m for ms in per_format.values() for m in ms]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
