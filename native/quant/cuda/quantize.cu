@@ -182,18 +182,15 @@ __global__ void nvfp4_kernel(Nvfp4Args a, const uint32_t* gamax) {
 
 // ---- INT4 -----------------------------------------------------------------------------------
 
+// The scale s rounded to its storage dtype sd and widened back (what the codes are computed
+// against); written to scales[idx] unless scales is null.
 __device__ float store_scale(float s, DType sd, void* scales, int64_t idx) {
-  if (sd == DType::bf16) {
-    const uint16_t h = f32_to_bf16(s);
-    static_cast<uint16_t*>(scales)[idx] = h;
-    return bf16_to_f32(h);
+  if (sd == DType::bf16 || sd == DType::f16) {
+    const uint16_t h = sd == DType::bf16 ? f32_to_bf16(s) : f32_to_f16_satfinite(s);
+    if (scales != nullptr) static_cast<uint16_t*>(scales)[idx] = h;
+    return sd == DType::bf16 ? bf16_to_f32(h) : f16_to_f32(h);
   }
-  if (sd == DType::f16) {
-    const uint16_t h = f32_to_f16_satfinite(s);
-    static_cast<uint16_t*>(scales)[idx] = h;
-    return f16_to_f32(h);
-  }
-  static_cast<float*>(scales)[idx] = s;
+  if (scales != nullptr) static_cast<float*>(scales)[idx] = s;
   return s;
 }
 
@@ -297,6 +294,14 @@ struct Chunk {
   __device__ int64_t group(int64_t C) const { return r * ((C + G - 1) / G) + c / (G / 8); }
 };
 
+// Loads the thread's chunk into v (left as is outside the matrix) and returns its group's amax
+// (0 from lanes outside); every lane of the warp must call it.
+template <DType D, int G>
+__device__ __forceinline__ uint32_t group_amax(const void* x, const Chunk<G>& ch, int64_t C, float (&v)[8]) {
+  if (ch.valid) load8<D>(x, ch.r * C + ch.c * 8, v);
+  return lanes_max<G / 8>(ch.valid ? amax8(v) : 0u);
+}
+
 template <int G>
 int64_t chunk_threads(int64_t rows, int64_t C) {
   return rows * ((C + G - 1) / G) * (G / 8);
@@ -308,8 +313,7 @@ __global__ void mx_vec_kernel(MxArgs a) {
   const int64_t C = a.cols;
   const Chunk<32> ch(a.rows, C);
   float v[8] = {};
-  if (ch.valid) load8<D>(a.x, ch.r * C + ch.c * 8, v);
-  const uint32_t amax = lanes_max<4>(ch.valid ? amax8(v) : 0u);
+  const uint32_t amax = group_amax<D>(a.x, ch, C, v);
   if (!ch.valid) return;
   const bool poisoned = is_poisoned(amax);
   const uint32_t sc = poisoned ? kE8M0Nan : e8m0_code<F>(a.rule, amax);
@@ -329,15 +333,11 @@ __global__ void int4_vec_kernel(Int4Args a) {
   const int64_t C = a.cols;
   const Chunk<G> ch(a.rows, C);
   float v[8] = {};
-  if (ch.valid) load8<D>(a.x, ch.r * C + ch.c * 8, v);
-  const uint32_t amax = lanes_max<G / 8>(ch.valid ? amax8(v) : 0u);
+  const uint32_t amax = group_amax<D>(a.x, ch, C, v);
   if (!ch.valid) return;
   const bool poisoned = is_poisoned(amax);
-  const float s0 = poisoned ? bits_f32(kF32QuietNan) : int4_scale(bits_f32(amax));
-  float s = s0;  // the scale as stored, widened back (store_scale's rounding)
-  if (a.scale_dtype == DType::bf16) s = bf16_to_f32(f32_to_bf16(s0));
-  if (a.scale_dtype == DType::f16) s = f16_to_f32(f32_to_f16_satfinite(s0));
-  if (ch.leader()) store_scale(s0, a.scale_dtype, a.scales, ch.group(C));
+  const float s = store_scale(poisoned ? bits_f32(kF32QuietNan) : int4_scale(bits_f32(amax)), a.scale_dtype,
+                              ch.leader() ? a.scales : nullptr, ch.group(C));
   uint32_t c[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) c[k] = poisoned ? 8u : int4_code(v[k], s);
@@ -349,8 +349,7 @@ __global__ void nvfp4_vec_kernel(Nvfp4Args a, const uint32_t* gamax) {
   const int64_t C = a.cols;
   const Chunk<16> ch(a.batch * a.rows, C);
   float v[8] = {};
-  if (ch.valid) load8<D>(a.x, ch.r * C + ch.c * 8, v);
-  const uint32_t amax = lanes_max<2>(ch.valid ? amax8(v) : 0u);
+  const uint32_t amax = group_amax<D>(a.x, ch, C, v);
   if (!ch.valid) return;
   const uint32_t g = gamax[ch.r / a.rows];
   const bool poisoned = is_poisoned(g);
@@ -370,8 +369,7 @@ __global__ void fp8_1x128_vec_kernel(Fp8Args a) {
   const int64_t C = a.cols;
   const Chunk<128> ch(a.batch * a.rows, C);
   float v[8] = {};
-  if (ch.valid) load8<D>(a.x, ch.r * C + ch.c * 8, v);
-  const uint32_t amax = lanes_max<16>(ch.valid ? amax8(v) : 0u);
+  const uint32_t amax = group_amax<D>(a.x, ch, C, v);
   if (!ch.valid) return;
   const bool poisoned = is_poisoned(amax);
   const float s = poisoned ? bits_f32(kF32QuietNan) : fp8_scale<F>(bits_f32(amax));
