@@ -1,5 +1,5 @@
 // NVFP4 elements of bf16 inputs by mantissa tables: the contract's encode_E2M1(x * factor)
-// without a multiplication, 32 inputs per instruction on 16-bit lanes. Needs AVX512-VBMI
+// without a multiplication, 64 inputs per instruction on byte lanes. Needs AVX512-VBMI
 // (vpermi2b, vpermb); included by avx512_kernels.h inside namespace miles_quant::cpu::MQ_CPU_NS,
 // after nvfp4_elements256 (the path it replaces). Without VBMI, kNvfp4Tables is false.
 //
@@ -15,17 +15,18 @@
 // - E2M1's grid (0, 0.5, 1, 1.5, 2, 3, 4, 6) rounds a value p * 2^b, ties to even, by b and by
 //   which of five classes p falls in: {1}, (1, 1.25], (1.25, 1.5), [1.5, 1.75), [1.75, 2)
 //   (kNvfp4Grid below lists the codes; b <= -3 gives 0, b >= 3 saturates to 6.0).
-// - So the table byte is 8 * o + class, and idx = 8 * e + byte + 8 * (F - 251) = 8 * (b + 3) +
-//   class, clamped to [0, 63], picks the code from one 64-byte vpermb table. A bf16 zero or
-//   subnormal x (e = 0) clamps to 0, as its product does (|x * factor| < 2^-70). The sign is
-//   x's (zeros included), as for x * factor.
+// - So the table byte holds o and the class of P_m, and b = e + F - 251 + o - 3. With E the
+//   code's exponent field (dec(c) = (1 + j/8) * 2^(E - 7)) F = F_j + 7 - E, F_j the exponent
+//   field of fl(inv / (1 + j/8)), so b + 3 = U + o with U = e + F_j - 244 - E: one saturating
+//   byte subtraction of the block's C = 242 + E - F_j from e and one 64-byte vpermb give the
+//   code (kNvfp4Grid11 below). A bf16 zero or subnormal x (e = 0) saturates to 0, a code 0, as
+//   its product does (|x * factor| < 2^-70). The sign is x's (zeros included), as for x * factor.
 // - The block scale codes need no division either: with the tensor amax's scale s_g fixed,
 //   fl(fl(A / 6) / s_g) for a bf16 block amax A = (1 + m/128) * 2^(e - 127) is y_m * 2^(e - E_g)
 //   (y_m = fl(fl((1 + m/128) / 6) / s_g') with s_g' = s_g at exponent field 127, E_g s_g's
 //   field), so its E4M3 code before the clamps is 8 * e + bs[m] + K_g, one more 128-byte table;
 //   clamping that code to [8, 126] is the contract's clamp of the value to [2^-6, 448] (a zero,
-//   subnormal or tiny A gives a code far below 8). And factor's exponent field is that of
-//   fl(inv / (1 + j/8)) minus E: the elements' 8 * (F - 251) is kj[j] - (c & 0x78).
+//   subnormal or tiny A gives a code far below 8).
 // tools/bench/quant_nvfp4_tables_probe.cpp checks this against nvfp4_elements256 for every bf16
 // input (NaN excepted), every block scale code 8..126 and all 129 global-scale mantissas a bf16
 // tensor can have, at several exponents, and the block codes against nvfp4_block_code for every
@@ -46,10 +47,32 @@ alignas(64) static const uint8_t kNvfp4Grid[64] = {
     7, 7, 7, 7, 7, 7, 7, 7,
 };
 
+// The element loop works on bytes, 64 inputs at a time. With U = e + F - 244 - E (so that
+// b + 3 = U + o), an element is 0 for U <= -2 and saturated for U >= 6 whatever o (0..2) and
+// the class are, so u = min(max(U + 2, 0), 8), a byte, loses nothing: u = min(subs_u8(e, C), 8)
+// with the block's C = 242 + E - F (72..248 for every global scale a tensor can have: F is
+// 9..171, E 1..15). The table byte is o + 11 * class and w = u + o is b + 5, so one 64-byte
+// lookup at u + table byte (at most 54) gives the code: kNvfp4Grid at 8 * (w - 2) + class,
+// clamped to [0, 63].
+struct Nvfp4Grid11 {
+  uint8_t g[64];
+};
+static constexpr Nvfp4Grid11 nvfp4_grid11() {
+  Nvfp4Grid11 r{};
+  for (int w = 0; w <= 10; ++w) {
+    for (int cls = 0; cls <= 4; ++cls) {
+      const int i = 8 * (w - 2) + cls;
+      r.g[w + 11 * cls] = kNvfp4Grid[i < 0 ? 0 : i > 63 ? 63 : i];
+    }
+  }
+  return r;
+}
+alignas(64) static constexpr Nvfp4Grid11 kNvfp4Grid11 = nvfp4_grid11();
+
 struct Nvfp4Tables {
-  alignas(64) uint8_t t[8][128];  // [block scale mantissa j][x mantissa m] = 8 * o + class
+  alignas(64) uint8_t t[8][128];  // [block scale mantissa j][x mantissa m] = o + 11 * class
   alignas(64) uint8_t bs[128];    // [block amax mantissa m]: bs[m] (above)
-  alignas(64) int32_t kj[16];     // [j] = 8 * (F_j - 244); lanes 8-15 unused
+  alignas(64) int32_t cj[16];     // [j] = 242 - F_j (C = cj[j] + E); lanes 8-15 unused
   int32_t k_g;                    // K_g
 };
 
@@ -63,11 +86,11 @@ static inline void nvfp4_build_tables(float s_g, Nvfp4Tables* out) {
       const uint32_t p = f32_bits(bits_f32((127u << 23) | (m << 16)) * f1);
       const uint32_t o = (p >> 23) - 127u, frac = p & 0x007FFFFFu;
       const uint32_t cls = frac == 0 ? 0 : frac <= 0x200000u ? 1 : frac < 0x400000u ? 2 : frac < 0x600000u ? 3 : 4;
-      out->t[j][m] = static_cast<uint8_t>(8 * o + cls);
+      out->t[j][m] = static_cast<uint8_t>(o + 11 * cls);
     }
-    out->kj[j] = 8 * (static_cast<int32_t>(f32_bits(f) >> 23) - 244);
+    out->cj[j] = 242 - static_cast<int32_t>(f32_bits(f) >> 23);
   }
-  for (uint32_t j = 8; j < 16; ++j) out->kj[j] = 0;
+  for (uint32_t j = 8; j < 16; ++j) out->cj[j] = 0;
   const float sg1 = bits_f32((f32_bits(s_g) & 0x007FFFFFu) | (127u << 23));
   uint32_t r0 = 0;
   for (uint32_t m = 0; m < 128; ++m) {
@@ -89,10 +112,10 @@ static inline __m512i nvfp4_block_codes_tab(__m512i h16, const Nvfp4Tables& t) {
   return _mm512_min_epi32(_mm512_max_epi32(c, simd::u32(8)), simd::u32(E4M3::kMaxCode));
 }
 
-// 8 * (F - 251) of each block (lane k: block k) from its code: what the elements below add.
+// The C bytes (above) of 16 blocks (lane k: block k's code), in bytes 0-15.
 static inline __m512i nvfp4_element_k(__m512i code, const Nvfp4Tables& t) {
-  const __m512i kj = _mm512_permutexvar_epi32(_mm512_and_si512(code, simd::u32(7)), _mm512_load_si512(t.kj));
-  return _mm512_sub_epi32(kj, _mm512_and_si512(code, simd::u32(0x78)));
+  const __m512i cj = _mm512_permutexvar_epi32(_mm512_and_si512(code, simd::u32(7)), _mm512_load_si512(t.cj));
+  return _mm512_castsi128_si512(_mm512_cvtepi32_epi8(_mm512_add_epi32(cj, _mm512_srli_epi32(code, 3))));
 }
 
 // The first half of a bf16 batch (nvfp4_scales256's, by the tables): its 16 block codes to
@@ -110,29 +133,36 @@ static inline __m512i nvfp4_scales256_tab(const uint16_t* x, const Nvfp4Tables& 
 // nvfp4_element_k is kk, packed: the bytes of nvfp4_elements256<bf16>.
 static inline void nvfp4_elements256_tab(const uint16_t* x, __m512i kk, const uint8_t* codes, const Nvfp4Tables& t,
                                          uint8_t* out) {
-  // Shifts, like permutes, compete for two of the four vector pipes on Zen 4, so the loop does
-  // its shifts as multiplications (vpmulhuw by 2^(16 - n) is a right shift by n) and packs the
-  // code pairs with vpmaddwd.
-  alignas(64) int32_t k32[16];
-  _mm512_store_si512(k32, kk);
-  const __m512i grid = _mm512_load_si512(kNvfp4Grid);
-  const __m512i nibbles = simd::u32(0x00100001u);  // lo * 1 + hi * 16
-  for (int j = 0; j < 8; ++j) {
-    const __m512i v = _mm512_loadu_si512(x + 32 * j);
-    const uint8_t* ta = t.t[codes[2 * j] & 7];
-    const uint8_t* tb = t.t[codes[2 * j + 1] & 7];
-    // The table bytes of the low 16 inputs (block 2j) and of the high 16 (block 2j + 1), 16-bit.
-    const __m512i da = _mm512_maskz_permutex2var_epi8(0x0000000055555555ull, _mm512_load_si512(ta), v, _mm512_load_si512(ta + 64));
-    const __m512i db = _mm512_maskz_permutex2var_epi8(0x5555555500000000ull, _mm512_load_si512(tb), v, _mm512_load_si512(tb + 64));
-    const __m512i k = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<short>(k32[2 * j])),
-                                              _mm512_set1_epi16(static_cast<short>(k32[2 * j + 1])));
-    const __m512i e8 = _mm512_and_si512(_mm512_mulhi_epu16(v, _mm512_set1_epi16(1 << 12)), _mm512_set1_epi16(0x7F8));  // (v >> 4) & 0x7F8
-    __m512i idx = _mm512_add_epi16(_mm512_add_epi16(e8, k), _mm512_or_si512(da, db));
-    idx = _mm512_min_epi16(_mm512_max_epi16(idx, _mm512_setzero_si512()), _mm512_set1_epi16(63));
-    __m512i c = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx, grid);
-    c = _mm512_ternarylogic_epi32(c, _mm512_mulhi_epu16(v, _mm512_set1_epi16(16)), _mm512_set1_epi16(8), 0xF8);  // sign (v >> 12) to bit 3
-    // 16-bit codes (element 2i low) to nibble pairs: lo + 16 * hi in each 32-bit lane.
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * j), _mm512_cvtepi32_epi8(_mm512_madd_epi16(c, nibbles)));
+  // 64 inputs (4 blocks) a step, one byte a lane: the low bytes (exponent bit 0, mantissa: the
+  // table index) and the high bytes (sign, exponent bits 7..1) gathered from two vectors.
+  const __m512i lo_idx = _mm512_set_epi64(0x7E7C7A7876747270ll, 0x6E6C6A6866646260ll, 0x5E5C5A5856545250ll,
+                                          0x4E4C4A4846444240ll, 0x3E3C3A3836343230ll, 0x2E2C2A2826242220ll,
+                                          0x1E1C1A1816141210ll, 0x0E0C0A0806040200ll);
+  const __m512i hi_idx = _mm512_add_epi8(lo_idx, _mm512_set1_epi8(1));
+  const __m512i grid = _mm512_load_si512(kNvfp4Grid11.g);
+  const __m512i one = _mm512_set1_epi8(1), eight = _mm512_set1_epi8(8);
+  const __m512i nibbles = _mm512_set1_epi16(0x1001);  // element 2i * 1 + element 2i + 1 * 16
+  __m512i quad = _mm512_set_epi64(0x0303030303030303ll, 0x0303030303030303ll, 0x0202020202020202ll,
+                                  0x0202020202020202ll, 0x0101010101010101ll, 0x0101010101010101ll, 0, 0);
+  for (int g = 0; g < 4; ++g) {
+    const __m512i v0 = _mm512_loadu_si512(x + 64 * g), v1 = _mm512_loadu_si512(x + 64 * g + 32);
+    const __m512i lo = _mm512_permutex2var_epi8(v0, lo_idx, v1);
+    const __m512i hi = _mm512_permutex2var_epi8(v0, hi_idx, v1);
+    __m512i tb[4];
+    for (int b = 0; b < 4; ++b) {
+      const uint8_t* tj = t.t[codes[4 * g + b] & 7];
+      tb[b] = _mm512_maskz_permutex2var_epi8(0xFFFFull << (16 * b), _mm512_load_si512(tj), lo, _mm512_load_si512(tj + 64));
+    }
+    const __m512i tab = _mm512_or_si512(_mm512_ternarylogic_epi32(tb[0], tb[1], tb[2], 0xFE), tb[3]);
+    // e = 2 * (hi & 0x7F) + (lo >> 7), bytewise (the sign leaves the byte; word shifts keep the
+    // bits wanted inside each byte).
+    const __m512i e = _mm512_ternarylogic_epi32(_mm512_add_epi8(hi, hi), _mm512_srli_epi16(lo, 7), one, 0xF8);
+    const __m512i c = _mm512_permutexvar_epi8(quad, kk);  // lane i: C of block 4g + i / 16
+    quad = _mm512_add_epi8(quad, _mm512_set1_epi8(4));
+    const __m512i u = _mm512_min_epu8(_mm512_subs_epu8(e, c), eight);
+    __m512i code = _mm512_permutexvar_epi8(_mm512_add_epi8(u, tab), grid);
+    code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(hi, 4), eight, 0xF8);  // sign (bit 7) to bit 3
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * g), _mm512_cvtepi16_epi8(_mm512_maddubs_epi16(code, nibbles)));
   }
 }
 #else
