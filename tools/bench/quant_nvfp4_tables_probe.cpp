@@ -65,7 +65,7 @@ int main() {
           factors[k] = nvfp4_block_factor(inv, codes[k]);
         }
         const __m512 factor = _mm512_load_ps(factors);
-        const __m512i kk = nvfp4_element_k(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes))), tables);
+        const __m512i kk = nvfp4_block_c(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes))), tables);
         for (size_t b = 0; b < n; b += 256) {
           nvfp4_elements256<DType::bf16>(&xs[b], factor, &want[b / 2]);
           nvfp4_elements256_tab(&xs[b], kk, codes, tables, &got[b / 2]);
@@ -94,7 +94,7 @@ int main() {
     factors[k] = nvfp4_block_factor(inv, codes[k]);
   }
   const __m512 factor = _mm512_load_ps(factors);
-  const __m512i kk = nvfp4_element_k(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes))), tables);
+  const __m512i kk = nvfp4_block_c(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes))), tables);
   constexpr int kReps = 400000;
   for (int r = 0; r < 3; ++r) {
     const auto t0 = std::chrono::steady_clock::now();

@@ -969,7 +969,7 @@ static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const N
     uint8_t* scales;
     uint8_t* out;
     __m512 sg, inv, f;  // the fp32 path: global scale, its inverse, the batch's element factors
-    __m512i k;          // the tables: the batch's nvfp4_element_k
+    __m512i k;          // the tables: the batch's nvfp4_block_c
     const Nvfp4Tables* tables;
   };
   // The first half of batch q of row w (its scales), and the second (its elements).

@@ -47,11 +47,11 @@ alignas(64) static const uint8_t kNvfp4Grid[64] = {
     7, 7, 7, 7, 7, 7, 7, 7,
 };
 
-// The element loop works on bytes, 64 inputs at a time. With U = e + F - 244 - E (so that
-// b + 3 = U + o), an element is 0 for U <= -2 and saturated for U >= 6 whatever o (0..2) and
-// the class are, so u = min(max(U + 2, 0), 8), a byte, loses nothing: u = min(subs_u8(e, C), 8)
-// with the block's C = 242 + E - F (72..248 for every global scale a tensor can have: F is
-// 9..171, E 1..15). The table byte is o + 11 * class and w = u + o is b + 5, so one 64-byte
+// The element loop works on bytes, 64 inputs at a time. With U = e + F_j - 244 - E (so that
+// b + 3 = U + o, above), an element is 0 for U <= -2 and saturated for U >= 6 whatever o (0..2)
+// and the class are, so u = min(max(U + 2, 0), 8), a byte, loses nothing: u = min(subs_u8(e, C),
+// 8) with the block's C = 242 + E - F_j (72..248 for every global scale a tensor can have: F_j
+// is 9..171, E 1..15). The table byte is o + 11 * class and w = u + o is b + 5, so one 64-byte
 // lookup at u + table byte (at most 54) gives the code: kNvfp4Grid at 8 * (w - 2) + class,
 // clamped to [0, 63].
 struct Nvfp4Grid11 {
@@ -113,24 +113,24 @@ static inline __m512i nvfp4_block_codes_tab(__m512i h16, const Nvfp4Tables& t) {
 }
 
 // The C bytes (above) of 16 blocks (lane k: block k's code), in bytes 0-15.
-static inline __m512i nvfp4_element_k(__m512i code, const Nvfp4Tables& t) {
+static inline __m512i nvfp4_block_c(__m512i code, const Nvfp4Tables& t) {
   const __m512i cj = _mm512_permutexvar_epi32(_mm512_and_si512(code, simd::u32(7)), _mm512_load_si512(t.cj));
   return _mm512_castsi128_si512(_mm512_cvtepi32_epi8(_mm512_add_epi32(cj, _mm512_srli_epi32(code, 3))));
 }
 
 // The first half of a bf16 batch (nvfp4_scales256's, by the tables): its 16 block codes to
-// `scales`; returns their nvfp4_element_k.
+// `scales`; returns their nvfp4_block_c.
 static inline __m512i nvfp4_scales256_tab(const uint16_t* x, const Nvfp4Tables& t, uint8_t* scales) {
   prefetch_lines(reinterpret_cast<const char*>(x) + simd::kPrefetchAhead, 0, 512);
   __m512i h[8];
   for (int j = 0; j < 8; ++j) h[j] = _mm512_and_si512(_mm512_loadu_si512(x + 32 * j), _mm512_set1_epi16(0x7FFF));
   const __m512i code = nvfp4_block_codes_tab(block16_amax_halves(h), t);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(code));
-  return nvfp4_element_k(code, t);
+  return nvfp4_block_c(code, t);
 }
 
 // 16 whole 1x16 bf16 blocks (256 inputs) whose block scale codes are codes[0, 16) and whose
-// nvfp4_element_k is kk, packed: the bytes of nvfp4_elements256<bf16>.
+// nvfp4_block_c is kk, packed: the bytes of nvfp4_elements256<bf16>.
 static inline void nvfp4_elements256_tab(const uint16_t* x, __m512i kk, const uint8_t* codes, const Nvfp4Tables& t,
                                          uint8_t* out) {
   // 64 inputs (4 blocks) a step, one byte a lane: the low bytes (exponent bit 0, mantissa: the
