@@ -4,13 +4,17 @@
 // input a block with that code can hold (|x| * 2^(127 - code) < 2^(emax + 1), true of every
 // input of a block under every scale rule), their bytes equal the fp32 path's
 // (mx_elements512_bf16, itself tested against the PyTorch reference), plus a poisoned mask.
-// Also times the MXFP4 elements both ways in L1. Run by tests/test_quant_mx_16bit.py; by hand:
+// Compiled with -mavx512vbmi it also checks the MXFP4 byte-lane path (mx4_elements512_bf16_b,
+// avx512_e2m1_bytes.h) the same way for every code from kMx4BytesMinCode (5) to 254, unpoisoned
+// (the kernel sends batches with a poisoned block to the 16-bit path). Also times the MXFP4
+// elements each way in L1. Run by tests/test_quant_mx_16bit.py; by hand:
 //
-//   g++ -O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512dq -ffp-contract=off \
-//       -Inative/quant/include -Inative/quant/src tools/bench/quant_mx_16bit_probe.cpp \
-//       -o /tmp/mx4probe && /tmp/mx4probe
+//   g++ -O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512dq [-mavx512vbmi] \
+//       -ffp-contract=off -Inative/quant/include -Inative/quant/src \
+//       tools/bench/quant_mx_16bit_probe.cpp -o /tmp/mx4probe && /tmp/mx4probe
 #include <immintrin.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -56,6 +60,15 @@ uint64_t check(const char* name, uint64_t* checked) {
         for (size_t j = 0; j < kBytes; ++j)
           if (want[j] != got[j] && bad++ < 10)
             std::printf("%s code %u byte %zu of inputs from %04x: fp32 path %02x, 16-bit path %02x\n", name, cd, j, xs[i], want[j], got[j]);
+        if constexpr (kPacked && kE2m1Bytes) {
+          if (poisoned || cd < kMx4BytesMinCode) continue;
+          std::fill(got.begin(), got.end(), 0xA5);
+          mx4_elements512_bf16_b(&xs[i], code, got.data());
+          *checked += kBytes;
+          for (size_t j = 0; j < kBytes; ++j)
+            if (want[j] != got[j] && bad++ < 10)
+              std::printf("%s code %u byte %zu of inputs from %04x: fp32 path %02x, byte path %02x\n", name, cd, j, xs[i], want[j], got[j]);
+        }
       }
     }
   }
@@ -84,9 +97,15 @@ int main() {
       asm volatile("" ::: "memory");
     }
     const auto t2 = std::chrono::steady_clock::now();
+    for (int n = 0; n < 100000 && kE2m1Bytes; ++n) {
+      mx4_elements512_bf16_b(t.data(), code, got.data());
+      asm volatile("" ::: "memory");
+    }
+    const auto t3 = std::chrono::steady_clock::now();
     const double d = 100000.0 * 512 / 1e9;
-    std::printf("elements in L1: fp32 path %.3f, 16-bit path %.3f ns/el\n",
-                std::chrono::duration<double>(t1 - t0).count() / d, std::chrono::duration<double>(t2 - t1).count() / d);
+    std::printf("MXFP4 elements in L1: fp32 path %.3f, 16-bit path %.3f, byte path %.3f ns/el\n",
+                std::chrono::duration<double>(t1 - t0).count() / d, std::chrono::duration<double>(t2 - t1).count() / d,
+                kE2m1Bytes ? std::chrono::duration<double>(t3 - t2).count() / d : 0.0);
   }
   return bad == 0 ? 0 : 1;
 }

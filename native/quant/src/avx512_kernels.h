@@ -621,6 +621,8 @@ static inline __m512i e2m1_code(__m512 v) {
 
 // ---- MX: 1x32 blocks, E8M0 scales; 16 blocks of a row at a time ----------------------------
 
+#include "avx512_e2m1_bytes.h"  // kE2m1Grid11 (NVFP4 tables too), mx4_elements512_bf16_b (VBMI builds)
+
 // E8M0 codes of 16 block amaxes (fp32 bits, none poisoned): the lane-wise e8m0_code<F>.
 template <class F>
 static inline __m512i e8m0_codes(ScaleRule rule, __m512i amax) {
@@ -797,10 +799,14 @@ static inline void mx_batch512(const typename In<D>::T* x, ScaleRule rule, uint8
   const __m512 mul = e8m0_inverses(code);
   if constexpr (D == DType::bf16) {
     if (_mm512_cmplt_epu32_mask(code, simd::u32(kMx16MinCode<F>)) == 0) {  // 16-bit lanes
-      if constexpr (kPacked)
-        mx4_elements512_bf16_h(x, code, poisoned, out);
-      else
+      if constexpr (kPacked) {
+        if (kE2m1Bytes && poisoned == 0 && _mm512_cmplt_epu32_mask(code, simd::u32(kMx4BytesMinCode)) == 0)
+          mx4_elements512_bf16_b(x, code, out);  // byte lanes (VBMI)
+        else
+          mx4_elements512_bf16_h(x, code, poisoned, out);
+      } else {
         mx8_elements512_bf16_h<F>(x, code, mul, poisoned, out);
+      }
       return;
     }
     if (poisoned == 0)

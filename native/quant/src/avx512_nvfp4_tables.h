@@ -14,12 +14,12 @@
 //   encodes to 0 either way). Write P_m = p * 2^o (p in [1, 2), o in 0..2).
 // - E2M1's grid (0, 0.5, 1, 1.5, 2, 3, 4, 6) rounds a value p * 2^b, ties to even, by b and by
 //   which of five classes p falls in: {1}, (1, 1.25], (1.25, 1.5), [1.5, 1.75), [1.75, 2)
-//   (kNvfp4Grid below lists the codes; b <= -3 gives 0, b >= 3 saturates to 6.0).
+//   (kE2m1Grid in avx512_e2m1_bytes.h lists the codes; b <= -3 gives 0, b >= 3 saturates to 6.0).
 // - So the table byte holds o and the class of P_m, and b = e + F - 251 + o - 3. With E the
 //   code's exponent field (dec(c) = (1 + j/8) * 2^(E - 7)) F = F_j + 7 - E, F_j the exponent
 //   field of fl(inv / (1 + j/8)), so b + 3 = U + o with U = e + F_j - 244 - E: one saturating
 //   byte subtraction of the block's C = 242 + E - F_j from e and one 64-byte vpermb give the
-//   code (kNvfp4Grid11 below). A bf16 zero or subnormal x (e = 0) saturates to 0, a code 0, as
+//   code (kE2m1Grid11). A bf16 zero or subnormal x (e = 0) saturates to 0, a code 0, as
 //   its product does (|x * factor| < 2^-70). The sign is x's (zeros included), as for x * factor.
 // - The block scale codes need no division either: with the tensor amax's scale s_g fixed,
 //   fl(fl(A / 6) / s_g) for a bf16 block amax A = (1 + m/128) * 2^(e - 127) is y_m * 2^(e - E_g)
@@ -35,40 +35,13 @@
 #if defined(__AVX512VBMI__)
 constexpr bool kNvfp4Tables = true;
 
-// codes[8 * (b + 3) + class]: the E2M1 code of p * 2^b, p in class 0..4 (above); 64 bytes.
-alignas(64) static const uint8_t kNvfp4Grid[64] = {
-    0, 0, 0, 0, 0, 0, 0, 0,  // b = -3: [0.125, 0.25)
-    0, 1, 1, 1, 1, 0, 0, 0,  // b = -2: 0.25 ties to 0, above it 0.5
-    1, 1, 1, 2, 2, 0, 0, 0,  // b = -1: 0.75 ties to 1.0
-    2, 2, 3, 3, 4, 0, 0, 0,  // b = 0: 1.25 ties to 1.0, 1.75 to 2.0
-    4, 4, 5, 5, 6, 0, 0, 0,  // b = 1: 2.5 ties to 2, 3.5 to 4
-    6, 6, 7, 7, 7, 0, 0, 0,  // b = 2: 5 ties to 4, above it 6
-    7, 7, 7, 7, 7, 7, 7, 7,  // b = 3 (and above, by the clamp): saturated
-    7, 7, 7, 7, 7, 7, 7, 7,
-};
-
 // The element loop works on bytes, 64 inputs at a time. With U = e + F_j - 244 - E (so that
 // b + 3 = U + o, above), an element is 0 for U <= -2 and saturated for U >= 6 whatever o (0..2)
 // and the class are, so u = min(max(U + 2, 0), 8), a byte, loses nothing: u = min(subs_u8(e, C),
 // 8) with the block's C = 242 + E - F_j (72..248 for every global scale a tensor can have: F_j
 // is 9..171, E 1..15). The table byte is o + 11 * class and w = u + o is b + 5, so one 64-byte
-// lookup at u + table byte (at most 54) gives the code: kNvfp4Grid at 8 * (w - 2) + class,
-// clamped to [0, 63].
-struct Nvfp4Grid11 {
-  uint8_t g[64];
-};
-static constexpr Nvfp4Grid11 nvfp4_grid11() {
-  Nvfp4Grid11 r{};
-  for (int w = 0; w <= 10; ++w) {
-    for (int cls = 0; cls <= 4; ++cls) {
-      const int i = 8 * (w - 2) + cls;
-      r.g[w + 11 * cls] = kNvfp4Grid[i < 0 ? 0 : i > 63 ? 63 : i];
-    }
-  }
-  return r;
-}
-alignas(64) static constexpr Nvfp4Grid11 kNvfp4Grid11 = nvfp4_grid11();
-
+// lookup at u + table byte (at most 54) gives the code: kE2m1Grid11 (kE2m1Grid at
+// 8 * (w - 2) + class, clamped to [0, 63]).
 struct Nvfp4Tables {
   alignas(64) uint8_t t[8][128];  // [block scale mantissa j][x mantissa m] = o + 11 * class
   alignas(64) uint8_t bs[128];    // [block amax mantissa m]: bs[m] (above)
@@ -135,11 +108,9 @@ static inline void nvfp4_elements256_tab(const uint16_t* x, __m512i kk, const ui
                                          uint8_t* out) {
   // 64 inputs (4 blocks) a step, one byte a lane: the low bytes (exponent bit 0, mantissa: the
   // table index) and the high bytes (sign, exponent bits 7..1) gathered from two vectors.
-  const __m512i lo_idx = _mm512_set_epi64(0x7E7C7A7876747270ll, 0x6E6C6A6866646260ll, 0x5E5C5A5856545250ll,
-                                          0x4E4C4A4846444240ll, 0x3E3C3A3836343230ll, 0x2E2C2A2826242220ll,
-                                          0x1E1C1A1816141210ll, 0x0E0C0A0806040200ll);
+  const __m512i lo_idx = MQ_BF16_LO_BYTES;
   const __m512i hi_idx = _mm512_add_epi8(lo_idx, _mm512_set1_epi8(1));
-  const __m512i grid = _mm512_load_si512(kNvfp4Grid11.g);
+  const __m512i grid = _mm512_load_si512(kE2m1Grid11.g);
   const __m512i one = _mm512_set1_epi8(1), eight = _mm512_set1_epi8(8);
   const __m512i nibbles = _mm512_set1_epi16(0x1001);  // element 2i * 1 + element 2i + 1 * 16
   __m512i quad = _mm512_set_epi64(0x0303030303030303ll, 0x0303030303030303ll, 0x0202020202020202ll,
