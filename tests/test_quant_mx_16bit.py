@@ -6,9 +6,9 @@ mx4_elements512_bf16_h and mx8_elements512_bf16_h). The package's own tests comp
 with the PyTorch reference on chosen and random blocks; this one builds and runs
 tools/bench/quant_mx_16bit_probe.cpp, which checks both paths byte for byte against the fp32
 path for every non-NaN bf16 input and every code from those minima to 254 (79.6 million bytes).
-On CPUs with AVX512-VBMI the probe is built with it and also checks the MXFP4 byte-lane path
-(mx4_elements512_bf16_b, native/quant/src/avx512_e2m1_bytes.h) for every code from 5 to 254
-(8.2 million bytes more).
+On CPUs with AVX512-VBMI the probe is built with it and also checks the byte-lane paths
+(native/quant/src/avx512_bytes.h): MXFP4 (mx4_elements512_bf16_b) for every code from 5 to 254,
+MXFP8 E4M3 and E5M2 (mx8_elements512_bf16_b) from 11 and 18 (39.7 million bytes more).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def test_16bit_mx_paths_equal_the_fp32_path_exhaustively(tmp_path: Path) -> None
     )  # fmt: skip
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # 16-bit paths: 79,560,704 bytes; the byte path: 250 codes x 32,768 bytes.
-    checked = 79560704 + (250 * 32768 if vbmi else 0)
+    # 16-bit paths: 79,560,704 bytes; byte paths: 250 MXFP4 codes x 32,768 bytes, 244 E4M3 and
+    # 237 E5M2 codes x 65,536 bytes.
+    checked = 79560704 + (250 * 32768 + (244 + 237) * 65536 if vbmi else 0)
     assert f"mismatching bytes: 0 of {checked} " in proc.stdout, proc.stdout

@@ -4,9 +4,10 @@
 // input a block with that code can hold (|x| * 2^(127 - code) < 2^(emax + 1), true of every
 // input of a block under every scale rule), their bytes equal the fp32 path's
 // (mx_elements512_bf16, itself tested against the PyTorch reference), plus a poisoned mask.
-// Compiled with -mavx512vbmi it also checks the MXFP4 byte-lane path (mx4_elements512_bf16_b,
-// avx512_e2m1_bytes.h) the same way for every code from kMx4BytesMinCode (5) to 254, unpoisoned
-// (the kernel sends batches with a poisoned block to the 16-bit path). Also times the MXFP4
+// Compiled with -mavx512vbmi it also checks the byte-lane paths (avx512_bytes.h) the same way,
+// unpoisoned (the kernel sends batches with a poisoned block to the 16-bit paths): MXFP4
+// (mx4_elements512_bf16_b) for every code from kMx4BytesMinCode (5) to 254, MXFP8
+// (mx8_elements512_bf16_b) from kMx16MinCode<F>. Also times the MXFP4 and MXFP8 E4M3
 // elements each way in L1. Run by tests/test_quant_mx_16bit.py; by hand:
 //
 //   g++ -O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512dq [-mavx512vbmi] \
@@ -60,10 +61,13 @@ uint64_t check(const char* name, uint64_t* checked) {
         for (size_t j = 0; j < kBytes; ++j)
           if (want[j] != got[j] && bad++ < 10)
             std::printf("%s code %u byte %zu of inputs from %04x: fp32 path %02x, 16-bit path %02x\n", name, cd, j, xs[i], want[j], got[j]);
-        if constexpr (kPacked && kE2m1Bytes) {
-          if (poisoned || cd < kMx4BytesMinCode) continue;
+        if constexpr (kMxBytes) {
+          if (poisoned || (kPacked && cd < kMx4BytesMinCode)) continue;
           std::fill(got.begin(), got.end(), 0xA5);
-          mx4_elements512_bf16_b(&xs[i], code, got.data());
+          if constexpr (kPacked)
+            mx4_elements512_bf16_b(&xs[i], code, got.data());
+          else
+            mx8_elements512_bf16_b<F>(&xs[i], code, mul, got.data());
           *checked += kBytes;
           for (size_t j = 0; j < kBytes; ++j)
             if (want[j] != got[j] && bad++ < 10)
@@ -80,32 +84,27 @@ int main() {
   const uint64_t bad = check<E2M1>("mxfp4", &checked) + check<E4M3>("mxfp8_e4m3", &checked) + check<E5M2>("mxfp8_e5m2", &checked);
   std::printf("mismatching bytes: %llu of %llu (all non-NaN bf16 inputs x E8M0 codes, three formats)\n",
               static_cast<unsigned long long>(bad), static_cast<unsigned long long>(checked));
-  std::vector<uint8_t> want(256), got(256);
+  std::vector<uint8_t> want(512), got(512);
   std::vector<uint16_t> t(512);
   for (int i = 0; i < 512; ++i) t[i] = static_cast<uint16_t>(0x3f00 + (i * 37 % 300) + ((i & 1) << 15));
   const __m512i code = simd::u32(127);
   const __m512 mul = e8m0_inverses(code);
-  for (int r = 0; r < 3; ++r) {
+  auto time = [](auto f) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int n = 0; n < 100000; ++n) {
-      mx_elements512_bf16<E2M1, false>(t.data(), mul, 0, want.data());
+      f();
       asm volatile("" ::: "memory");
     }
-    const auto t1 = std::chrono::steady_clock::now();
-    for (int n = 0; n < 100000; ++n) {
-      mx4_elements512_bf16_h(t.data(), code, 0, got.data());
-      asm volatile("" ::: "memory");
-    }
-    const auto t2 = std::chrono::steady_clock::now();
-    for (int n = 0; n < 100000 && kE2m1Bytes; ++n) {
-      mx4_elements512_bf16_b(t.data(), code, got.data());
-      asm volatile("" ::: "memory");
-    }
-    const auto t3 = std::chrono::steady_clock::now();
-    const double d = 100000.0 * 512 / 1e9;
-    std::printf("MXFP4 elements in L1: fp32 path %.3f, 16-bit path %.3f, byte path %.3f ns/el\n",
-                std::chrono::duration<double>(t1 - t0).count() / d, std::chrono::duration<double>(t2 - t1).count() / d,
-                kE2m1Bytes ? std::chrono::duration<double>(t3 - t2).count() / d : 0.0);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / (100000.0 * 512 / 1e9);
+  };
+  for (int r = 0; r < 3; ++r) {
+    const double a = time([&] { mx_elements512_bf16<E2M1, false>(t.data(), mul, 0, want.data()); });
+    const double b = time([&] { mx4_elements512_bf16_h(t.data(), code, 0, got.data()); });
+    const double c = kMxBytes ? time([&] { mx4_elements512_bf16_b(t.data(), code, got.data()); }) : 0.0;
+    const double d = time([&] { mx_elements512_bf16<E4M3, false>(t.data(), mul, 0, want.data()); });
+    const double e = time([&] { mx8_elements512_bf16_h<E4M3>(t.data(), code, mul, 0, got.data()); });
+    const double f = kMxBytes ? time([&] { mx8_elements512_bf16_b<E4M3>(t.data(), code, mul, got.data()); }) : 0.0;
+    std::printf("elements in L1, ns/el: MXFP4 fp32 path %.3f, 16-bit %.3f, bytes %.3f; MXFP8 E4M3 fp32 path %.3f, 16-bit %.3f, bytes %.3f\n", a, b, c, d, e, f);
   }
   return bad == 0 ? 0 : 1;
 }

@@ -621,7 +621,7 @@ static inline __m512i e2m1_code(__m512 v) {
 
 // ---- MX: 1x32 blocks, E8M0 scales; 16 blocks of a row at a time ----------------------------
 
-#include "avx512_e2m1_bytes.h"  // kE2m1Grid11 (NVFP4 tables too), mx4_elements512_bf16_b (VBMI builds)
+#include "avx512_bytes.h"  // kE2m1Grid11 (NVFP4 tables too), mx4/mx8_elements512_bf16_b (VBMI builds)
 
 // E8M0 codes of 16 block amaxes (fp32 bits, none poisoned): the lane-wise e8m0_code<F>.
 template <class F>
@@ -800,12 +800,15 @@ static inline void mx_batch512(const typename In<D>::T* x, ScaleRule rule, uint8
   if constexpr (D == DType::bf16) {
     if (_mm512_cmplt_epu32_mask(code, simd::u32(kMx16MinCode<F>)) == 0) {  // 16-bit lanes
       if constexpr (kPacked) {
-        if (kE2m1Bytes && poisoned == 0 && _mm512_cmplt_epu32_mask(code, simd::u32(kMx4BytesMinCode)) == 0)
+        if (kMxBytes && poisoned == 0 && _mm512_cmplt_epu32_mask(code, simd::u32(kMx4BytesMinCode)) == 0)
           mx4_elements512_bf16_b(x, code, out);  // byte lanes (VBMI)
         else
           mx4_elements512_bf16_h(x, code, poisoned, out);
       } else {
-        mx8_elements512_bf16_h<F>(x, code, mul, poisoned, out);
+        if (kMxBytes && poisoned == 0)
+          mx8_elements512_bf16_b<F>(x, code, mul, out);  // byte lanes (VBMI)
+        else
+          mx8_elements512_bf16_h<F>(x, code, mul, poisoned, out);
       }
       return;
     }

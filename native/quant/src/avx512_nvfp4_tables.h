@@ -14,7 +14,7 @@
 //   encodes to 0 either way). Write P_m = p * 2^o (p in [1, 2), o in 0..2).
 // - E2M1's grid (0, 0.5, 1, 1.5, 2, 3, 4, 6) rounds a value p * 2^b, ties to even, by b and by
 //   which of five classes p falls in: {1}, (1, 1.25], (1.25, 1.5), [1.5, 1.75), [1.75, 2)
-//   (kE2m1Grid in avx512_e2m1_bytes.h lists the codes; b <= -3 gives 0, b >= 3 saturates to 6.0).
+//   (kE2m1Grid in avx512_bytes.h lists the codes; b <= -3 gives 0, b >= 3 saturates to 6.0).
 // - So the table byte holds o and the class of P_m, and b = e + F - 251 + o - 3. With E the
 //   code's exponent field (dec(c) = (1 + j/8) * 2^(E - 7)) F = F_j + 7 - E, F_j the exponent
 //   field of fl(inv / (1 + j/8)), so b + 3 = U + o with U = e + F_j - 244 - E: one saturating
