@@ -218,22 +218,22 @@ def print_table(res: dict[str, object], threads: list[int], stat: str) -> None:
     mc: dict[int, float] = res[stat]["memcpy"]  # type: ignore[index]
     memcpy = ", ".join(f"{t}t {v:.1f} GB/s" for t, v in mc.items())
     print(f"\n### {shape} bf16 ({stat} of the repeats)   memcpy: {memcpy}")
-    t1, tn = threads[0], threads[-1]
-    cols = [f"native {t1}t", f"native {tn}t", f"torch cast {t1}t", f"ml_dtypes cast {t1}t",
-            f"torchao eager {t1}t", f"torchao eager {tn}t"]  # fmt: skip
+    t1 = threads[0]
+    ts = threads if len(threads) == 1 else [threads[0], threads[-1]]  # --threads 1: one column each
+    cols = [*(f"native {t}t" for t in ts), f"torch cast {t1}t", f"ml_dtypes cast {t1}t",
+            *(f"torchao eager {t}t" for t in ts)]  # fmt: skip
     head = ["format", *[f"{c} GB/s" for c in cols]]
-    head += [f"native/memcpy {t1}t", f"native/memcpy {tn}t", f"native/torchao {t1}t",
-             f"native/torchao {tn}t", f"native/torch cast {t1}t", "native/ml_dtypes"]  # fmt: skip
+    head += [*(f"native/memcpy {t}t" for t in ts), *(f"native/torchao {t}t" for t in ts),
+             f"native/torch cast {t1}t", "native/ml_dtypes"]  # fmt: skip
     rows = res[stat]["formats"].values()  # type: ignore[index]
-    modelopt = [f"modelopt {t}t" for t in (t1, tn) if any(f"modelopt {t}t" in r for r in rows)]
+    modelopt = [f"modelopt {t}t" for t in ts if any(f"modelopt {t}t" in r for r in rows)]
     head += [f"{c} GB/s" for c in modelopt] + [f"native/{c}" for c in modelopt]
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head))
     for label, row in res[stat]["formats"].items():  # type: ignore[index]
         cells = [label] + [f"{row[c]:.2f}" if c in row else "-" for c in cols]
-        cells.append(f"{row[f'native {t1}t'] / mc[t1]:.2f}")
-        cells.append(f"{row[f'native {tn}t'] / mc[tn]:.2f}")
-        for t in (t1, tn):
+        cells += [f"{row[f'native {t}t'] / mc[t]:.2f}" for t in ts]
+        for t in ts:
             ao = row.get(f"torchao eager {t}t")
             cells.append(f"{row[f'native {t}t'] / ao:.0f}x" if ao else "-")
         for peer in (f"torch cast {t1}t", f"ml_dtypes cast {t1}t"):
