@@ -97,13 +97,6 @@ static constexpr MxRound<F> mx_round() {
 template <class F>
 alignas(64) static constexpr MxRound<F> kMxRound = mx_round<F>();
 
-// The byte gathers of 64 bf16 inputs held in two vectors (elements 0-31, 32-63): lane i of the
-// low-byte vector is element i's low byte (exponent bit 0, mantissa), of the high-byte vector
-// its high byte (sign, exponent bits 7..1).
-#define MQ_BF16_LO_BYTES                                                                                              \
-  _mm512_set_epi64(0x7E7C7A7876747270ll, 0x6E6C6A6866646260ll, 0x5E5C5A5856545250ll, 0x4E4C4A4846444240ll,             \
-                   0x3E3C3A3836343230ll, 0x2E2C2A2826242220ll, 0x1E1C1A1816141210ll, 0x0E0C0A0806040200ll)
-
 #if defined(__AVX512VBMI__)
 constexpr bool kMxBytes = true;
 

@@ -17,6 +17,18 @@
 //   m/128) / s') (0..2^(M+1): one byte), and K = rn(y_0) - E * 2^M per group. The bf16 bits
 //   give e * 2^M by a shift and a mask, and vpermi2b looks d[m] up for 64 bytes at once (the
 //   low byte of a bf16 holds m in its low 7 bits, which are what the permute reads).
+//   The tables store d[m] + rn(y_0) - (B - 1) * 2^M instead (B the element's bias: y_m is in
+//   (0.5, 2], so that is rn(y_m) - rn(0.5), 0..2^(M+1) + 2^M) and K = (B - 1 - E) * 2^M: the
+//   same sum c, with a K that is a multiple of 2^M.
+// - On byte lanes (64 inputs a step): c = (e - G) * 2^M + d'[m] with G = E - B + 1 per group, so
+//   u = e -sat G (one saturating byte subtraction) is e - G where that is >= 1, and there c >=
+//   2^M is a normal target: code (u << M) + d'[m]. Where u = 0 (e <= G), c < 2^M except for
+//   e - G in {0, -1} with a large d'[m], and c <= -M * 2^M for e - G <= -(M + 2), which encodes
+//   to 0 (at c = -M * 2^M, half the smallest subnormal step, the tie goes to the even 0; the
+//   probe below fails if the window starts one lower). A step with a lane at e - G in
+//   [-(M + 1), 0] goes through the 16-bit lanes above (rare: |x| about 2^-19..2^-13 of the amax
+//   for E4M3). G must be 0..255 (E >= B - 1: every s but those of amaxes below about 2^-115,
+//   whose groups take the 16-bit lanes).
 // - c >= 2^M: a normal target, or a value just below the smallest normal whose rounding carries
 //   to it, which the subnormal grid rounds to the same code; that is the code. No saturation
 //   step: |x| <= amax, so |x / s| rounds to at most max_elem (the probe below covers it).
@@ -34,8 +46,8 @@ constexpr bool kFp8Tables = true;
 
 template <class F>
 struct Fp8Tables {
-  alignas(64) uint8_t d[129][128];  // [amax mantissa, or 128 for the 1e-10 clamp][x mantissa]
-  int32_t base[129];                // rn(y_0) of each table
+  alignas(64) uint8_t d[129][128];  // [amax mantissa, or 128 for the 1e-10 clamp][x mantissa]: d'[m]
+  int32_t base[129];                // (B - 1) * 2^M (see above)
 };
 
 template <class F>
@@ -51,9 +63,10 @@ static const Fp8Tables<F>& fp8_tables() {
         // y in (0.5, 2]: a normal target of either format, so round_mag_rne's integer path.
         const uint32_t r = round_mag_rne<F::kMbits, F::kBias>(f32_bits(bits_f32((127u << 23) | (m << 16)) / s1));
         if (m == 0) r0 = r;
-        t.d[i][m] = static_cast<uint8_t>(r - r0);
+        t.d[i][m] = static_cast<uint8_t>(r - ((F::kBias - 1) << F::kMbits));  // rn(y_m) - rn(0.5)
       }
-      t.base[i] = static_cast<int32_t>(r0);
+      (void)r0;
+      t.base[i] = (F::kBias - 1) << F::kMbits;
     }
     return t;
   }();
@@ -72,33 +85,73 @@ static inline Fp8Tab fp8_tab(const Fp8Tables<F>& t, uint32_t amax_bits, float s)
   return {t.d[i], t.base[i] - static_cast<int32_t>((f32_bits(s) >> 23) << F::kMbits)};
 }
 
+// 32 bf16 inputs of a group on 16-bit lanes (ta, tb: its table; k: K as 16-bit lanes).
+template <class F>
+static inline void fp8_tab32(const uint16_t* x, __m512i ta, __m512i tb, __m512i k, float s, uint8_t* out) {
+  constexpr int M = F::kMbits;
+  const __m512i v = _mm512_loadu_si512(x);
+  const __m512i d = _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, ta, v, tb);  // d[m], 16-bit
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi16(v, 7 - M), _mm512_set1_epi16(static_cast<short>(0xFF << M)));
+  const __m512i c = _mm512_add_epi16(_mm512_add_epi16(e, d), k);
+  const __mmask32 low = _mm512_cmplt_epi16_mask(c, _mm512_set1_epi16(1 << M));
+  const __mmask32 sub = _mm512_mask_cmpge_epi16_mask(low, c, _mm512_set1_epi16(static_cast<short>(-M * (1 << M))));
+  if (__builtin_expect(sub != 0, 0)) {  // a subnormal target: the fp32 path for these 32
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(fp8_pairs32_bf16<F>(x, _mm512_set1_ps(s))));
+    return;
+  }
+  __m512i r = _mm512_mask_mov_epi16(c, low, _mm512_setzero_si512());
+  r = _mm512_ternarylogic_epi32(r, _mm512_srli_epi16(v, 8), _mm512_set1_epi16(0x80), 0xF8);  // sign to bit 7
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi16_epi8(r));
+}
+
 // n (a multiple of 32) bf16 inputs of one group with table t and scale s (for the fallback) to
-// FP8 bytes. kPrefetch: request the lines kPrefetchAhead bytes ahead, 256 bytes at a time.
+// FP8 bytes, 64 a step on byte lanes (above), a last 32 and groups with G outside 0..255 on
+// 16-bit lanes. kPrefetch: request the lines kPrefetchAhead bytes ahead, 256 bytes at a time.
 template <class F, bool kPrefetch>
 static inline void fp8_tab_run(const uint16_t* x, int64_t n, Fp8Tab t, float s, uint8_t* out) {
   constexpr int M = F::kMbits;
   const __m512i ta = _mm512_loadu_si512(t.d), tb = _mm512_loadu_si512(t.d + 64);
   const __m512i k = _mm512_set1_epi16(static_cast<short>(t.k));
-  for (int64_t i = 0; i < n; i += 32) {
+  const int32_t G = -(t.k >> M);  // K = -G * 2^M
+  int64_t i = 0;
+  if (G >= 0 && G <= 255) {
+    const __m512i lo_idx = MQ_BF16_LO_BYTES;
+    const __m512i hi_idx = _mm512_add_epi8(lo_idx, _mm512_set1_epi8(1));
+    const __m512i one = _mm512_set1_epi8(1), sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m512i g = _mm512_set1_epi8(static_cast<char>(G)), near = _mm512_set1_epi8(M + 2);
+    for (; i + 64 <= n; i += 64) {
+      if constexpr (kPrefetch) {
+        if ((i & 127) == 0) {
+          const char* ahead = reinterpret_cast<const char*>(x + i) + simd::kPrefetchAhead;
+          for (int b = 0; b < 256; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+        }
+      }
+      const __m512i v0 = _mm512_loadu_si512(x + i), v1 = _mm512_loadu_si512(x + i + 32);
+      const __m512i lo = _mm512_permutex2var_epi8(v0, lo_idx, v1);
+      const __m512i hi = _mm512_permutex2var_epi8(v0, hi_idx, v1);
+      const __m512i e = _mm512_ternarylogic_epi32(_mm512_add_epi8(hi, hi), _mm512_srli_epi16(lo, 7), one, 0xF8);
+      const __m512i u = _mm512_subs_epu8(e, g);
+      const __mmask64 normal = _mm512_test_epi8_mask(u, u);
+      const __m512i near_sub = _mm512_subs_epu8(_mm512_adds_epu8(e, near), g);  // e - G >= -(M + 1)
+      if (__builtin_expect(_mm512_mask_test_epi8_mask(~normal, near_sub, near_sub) != 0, 0)) {
+        fp8_tab32<F>(x + i, ta, tb, k, s, out + i);
+        fp8_tab32<F>(x + i + 32, ta, tb, k, s, out + i + 32);
+        continue;
+      }
+      __m512i q = _mm512_add_epi8(_mm512_slli_epi16(u, M), _mm512_permutex2var_epi8(ta, lo, tb));
+      q = _mm512_maskz_mov_epi8(normal, q);
+      q = _mm512_ternarylogic_epi32(q, hi, sign, 0xF8);  // x's sign to bit 7
+      _mm512_storeu_si512(out + i, q);
+    }
+  }
+  for (; i < n; i += 32) {
     if constexpr (kPrefetch) {
       if ((i & 127) == 0) {
         const char* ahead = reinterpret_cast<const char*>(x + i) + simd::kPrefetchAhead;
         for (int b = 0; b < 256; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
       }
     }
-    const __m512i v = _mm512_loadu_si512(x + i);
-    const __m512i d = _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, ta, v, tb);  // d[m], 16-bit
-    const __m512i e = _mm512_and_si512(_mm512_srli_epi16(v, 7 - M), _mm512_set1_epi16(static_cast<short>(0xFF << M)));
-    const __m512i c = _mm512_add_epi16(_mm512_add_epi16(e, d), k);
-    const __mmask32 low = _mm512_cmplt_epi16_mask(c, _mm512_set1_epi16(1 << M));
-    const __mmask32 sub = _mm512_mask_cmpge_epi16_mask(low, c, _mm512_set1_epi16(static_cast<short>(-M * (1 << M))));
-    if (__builtin_expect(sub != 0, 0)) {  // a subnormal target: the fp32 path for these 32
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(fp8_pairs32_bf16<F>(x + i, _mm512_set1_ps(s))));
-      continue;
-    }
-    __m512i r = _mm512_mask_mov_epi16(c, low, _mm512_setzero_si512());
-    r = _mm512_ternarylogic_epi32(r, _mm512_srli_epi16(v, 8), _mm512_set1_epi16(0x80), 0xF8);  // sign to bit 7
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi16_epi8(r));
+    fp8_tab32<F>(x + i, ta, tb, k, s, out + i);
   }
 }
 #else

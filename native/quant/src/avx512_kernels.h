@@ -193,6 +193,14 @@ static inline uint32_t amax(const typename In<D>::T* x, int64_t n) {
   return _mm512_reduce_max_epu32(amax_lanes<D>(acc_abs<D>(x, n, _mm512_setzero_si512())));
 }
 
+// For the byte-lane kernels (VBMI: vpermt2b) of avx512_fp8_tables.h, avx512_bytes.h and
+// avx512_nvfp4_tables.h, the byte gathers of 64 bf16 inputs held in two vectors (elements 0-31,
+// 32-63): lane i of the low-byte vector is element i's low byte (exponent bit 0, mantissa), of
+// the high-byte vector its high byte (sign, exponent bits 7..1).
+#define MQ_BF16_LO_BYTES                                                                                              \
+  _mm512_set_epi64(0x7E7C7A7876747270ll, 0x6E6C6A6866646260ll, 0x5E5C5A5856545250ll, 0x4E4C4A4846444240ll,             \
+                   0x3E3C3A3836343230ll, 0x2E2C2A2826242220ll, 0x1E1C1A1816141210ll, 0x0E0C0A0806040200ll)
+
 // Prefetch distance of the streaming kernels (bytes of input ahead of the current position).
 // On the project's VMs the hardware prefetchers leave a single-threaded stream waiting on
 // memory about half of the time (a cast of 112 MiB of bf16: 0.52 ns per element without,
