@@ -193,10 +193,10 @@ static inline uint32_t amax(const typename In<D>::T* x, int64_t n) {
   return _mm512_reduce_max_epu32(amax_lanes<D>(acc_abs<D>(x, n, _mm512_setzero_si512())));
 }
 
-// For the byte-lane kernels (VBMI: vpermt2b) of avx512_fp8_tables.h, avx512_bytes.h and
-// avx512_nvfp4_tables.h, the byte gathers of 64 bf16 inputs held in two vectors (elements 0-31,
-// 32-63): lane i of the low-byte vector is element i's low byte (exponent bit 0, mantissa), of
-// the high-byte vector its high byte (sign, exponent bits 7..1).
+// For the byte-lane kernels (VBMI: vpermt2b) of avx512_fp8_tables.h, avx512_bytes.h,
+// avx512_nvfp4_tables.h and avx512_int4_tables.h, the byte gathers of 64 bf16 inputs held in two
+// vectors (elements 0-31, 32-63): lane i of the low-byte vector is element i's low byte
+// (exponent bit 0, mantissa), of the high-byte vector its high byte (sign, exponent bits 7..1).
 #define MQ_BF16_LO_BYTES                                                                                              \
   _mm512_set_epi64(0x7E7C7A7876747270ll, 0x6E6C6A6866646260ll, 0x5E5C5A5856545250ll, 0x4E4C4A4846444240ll,             \
                    0x3E3C3A3836343230ll, 0x2E2C2A2826242220ll, 0x1E1C1A1816141210ll, 0x0E0C0A0806040200ll)
@@ -1136,6 +1136,8 @@ static inline __m512 int4_store_scales(__m512i amax, simd::Mask poisoned, DType 
   return s;
 }
 
+#include "avx512_int4_tables.h"  // kInt4Tables, int4_tab_groups (VBMI builds)
+
 template <DType D>
 static void int4_rows_v(const Int4Args& a, int64_t r0, int64_t r1) {
   const auto* xs = static_cast<const typename In<D>::T*>(a.x);
@@ -1159,7 +1161,11 @@ static void int4_rows_v(const Int4Args& a, int64_t r0, int64_t r1) {
       const simd::Mask poisoned = _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits));
       uint8_t* dst = static_cast<uint8_t*>(a.scales) + (r * ng + j0) * scale_size;
       const __m512 sv = int4_store_scales(amax, poisoned, a.scale_dtype, dst, nb);
+      simd::Mask done = 0;  // groups the mantissa tables encoded; the fp32 lanes do the rest
+      if constexpr (D == DType::bf16 && kInt4Tables)
+        done = int4_tab_groups(x + j0 * g, C - j0 * g, g, nb, amax, sv, poisoned, a.scale_dtype, out + j0 * g / 2);
       for (int64_t k = 0; k < nb; ++k) {
+        if ((done >> k) & 1) continue;
         const int64_t j = (j0 + k) * g, n = lo(g, C - j);
         const bool bad = (poisoned >> k) & 1;
         const __m512 s = simd::lane(sv, static_cast<int>(k));
