@@ -59,14 +59,11 @@ static const Fp8Tables<F>& fp8_tables() {
       const float amax = i < 128 ? bits_f32((127u << 23) | (i << 16)) : 0.0f;
       const float s = fp8_scale<F>(amax);
       const float s1 = bits_f32((f32_bits(s) & 0x007FFFFFu) | (127u << 23));
-      uint32_t r0 = 0;
       for (uint32_t m = 0; m < 128; ++m) {
         // y in (0.5, 2]: a normal target of either format, so round_mag_rne's integer path.
         const uint32_t r = round_mag_rne<F::kMbits, F::kBias>(f32_bits(bits_f32((127u << 23) | (m << 16)) / s1));
-        if (m == 0) r0 = r;
         t.d[i][m] = static_cast<uint8_t>(r - ((F::kBias - 1) << F::kMbits));  // rn(y_m) - rn(0.5)
       }
-      (void)r0;
       t.base[i] = (F::kBias - 1) << F::kMbits;
     }
     return t;
