@@ -13,46 +13,16 @@ kernel against the scalar contract on random matrices.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-PROBE = ROOT / "tools" / "bench" / "quant_int4_tables_probe.cpp"
-NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+from quant_probes import AVX512, run_probe
 
 
 def test_int4_tables_equal_the_fp32_path_exhaustively(tmp_path: Path) -> None:
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    if not set(NEEDED) <= _cpu_flags():
-        pytest.skip(f"this CPU lacks one of {NEEDED}")
-    exe = tmp_path / "probe"
-    subprocess.run(
-        [cxx, "-O2", "-std=c++17", *(f"-m{f}" for f in NEEDED), "-ffp-contract=off",
-         f"-I{ROOT / 'native/quant/include'}", f"-I{ROOT / 'native/quant/src'}", str(PROBE),
-         "-o", str(exe)],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "int4_tab64: 0 mismatching elements of 6391630080" in proc.stdout, proc.stdout
+    out = run_probe("quant_int4_tables_probe.cpp", (*AVX512, "avx512vbmi"), tmp_path)
+    assert "int4_tab64: 0 mismatching elements of 6391630080" in out, out
     for scales in ("f32", "bf16"):
-        assert f"scales {scales} g 32: 0 of 33309120 groups" in proc.stdout, proc.stdout
-        assert f"scales {scales} g 128: 0 of 8339520 groups" in proc.stdout, proc.stdout
-    assert "mismatching elements: 0 of 4949690560" in proc.stdout, proc.stdout
-    assert "int4_rows_v against the contract: 0 mismatching" in proc.stdout, proc.stdout
+        assert f"scales {scales} g 32: 0 of 33309120 groups" in out, out
+        assert f"scales {scales} g 128: 0 of 8339520 groups" in out, out
+    assert "mismatching elements: 0 of 4949690560" in out, out
+    assert "int4_rows_v against the contract: 0 mismatching" in out, out

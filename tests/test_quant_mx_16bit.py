@@ -13,46 +13,16 @@ MXFP8 E4M3 and E5M2 (mx8_elements512_bf16_b) from 11 and 18 (39.7 million bytes 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-PROBE = ROOT / "tools" / "bench" / "quant_mx_16bit_probe.cpp"
-NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+from quant_probes import AVX512, cpu_flags, run_probe
 
 
 def test_16bit_mx_paths_equal_the_fp32_path_exhaustively(tmp_path: Path) -> None:
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    if not set(NEEDED) <= _cpu_flags():
-        pytest.skip(f"this CPU lacks one of {NEEDED}")
-    vbmi = "avx512vbmi" in _cpu_flags()
-    flags = (*NEEDED, "avx512vbmi") if vbmi else NEEDED
-    exe = tmp_path / "probe"
-    subprocess.run(
-        [cxx, "-O2", "-std=c++17", *(f"-m{f}" for f in flags), "-ffp-contract=off",
-         f"-I{ROOT / 'native/quant/include'}", f"-I{ROOT / 'native/quant/src'}", str(PROBE),
-         "-o", str(exe)],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    vbmi = "avx512vbmi" in cpu_flags()
+    isa = (*AVX512, "avx512vbmi") if vbmi else AVX512
+    out = run_probe("quant_mx_16bit_probe.cpp", isa, tmp_path)
     # 16-bit paths: 79,560,704 bytes; byte paths: 250 MXFP4 codes x 32,768 bytes, 244 E4M3 and
     # 237 E5M2 codes x 65,536 bytes.
     checked = 79560704 + (250 * 32768 + (244 + 237) * 65536 if vbmi else 0)
-    assert f"mismatching bytes: 0 of {checked} " in proc.stdout, proc.stdout
+    assert f"mismatching bytes: 0 of {checked} " in out, out

@@ -12,42 +12,12 @@ block scale code and every global-scale mantissa a bf16 tensor can have (4.0 bil
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-PROBE = ROOT / "tools" / "bench" / "quant_nvfp4_tables_probe.cpp"
-NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+from quant_probes import AVX512, run_probe
 
 
 def test_nvfp4_tables_equal_the_fp32_path_exhaustively(tmp_path: Path) -> None:
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    if not set(NEEDED) <= _cpu_flags():
-        pytest.skip(f"this CPU lacks one of {NEEDED}")
-    exe = tmp_path / "probe"
-    subprocess.run(
-        [cxx, "-O2", "-std=c++17", *(f"-m{f}" for f in NEEDED), "-ffp-contract=off",
-         f"-I{ROOT / 'native/quant/include'}", f"-I{ROOT / 'native/quant/src'}", str(PROBE),
-         "-o", str(exe)],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "mismatching block codes: 0 of 20307984" in proc.stdout, proc.stdout
-    assert "mismatching bytes: 0 of 3996876800" in proc.stdout, proc.stdout
+    out = run_probe("quant_nvfp4_tables_probe.cpp", (*AVX512, "avx512vbmi"), tmp_path)
+    assert "mismatching block codes: 0 of 20307984" in out, out
+    assert "mismatching bytes: 0 of 3996876800" in out, out
