@@ -103,8 +103,6 @@ constexpr bool kMxBytes = true;
 // MXFP4 elements of 16 whole bf16 blocks (512 inputs) of E8M0 codes `code` (lane k: block k's,
 // every one >= kMx4BytesMinCode, none poisoned), packed: the bytes of mx_elements512_bf16.
 static inline void mx4_elements512_bf16_b(const uint16_t* x, __m512i code, uint8_t* out) {
-  const __m512i lo_idx = MQ_BF16_LO_BYTES;
-  const __m512i hi_idx = _mm512_add_epi8(lo_idx, _mm512_set1_epi8(1));
   const __m512i grid = _mm512_load_si512(kE2m1Grid11.g);
   const __m512i cls0 = _mm512_load_si512(kMx4Class.t), cls1 = _mm512_load_si512(kMx4Class.t + 64);
   const __m512i one = _mm512_set1_epi8(1), eight = _mm512_set1_epi8(8);
@@ -115,18 +113,13 @@ static inline void mx4_elements512_bf16_b(const uint16_t* x, __m512i code, uint8
   __m512i pair = _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, _mm512_setzero_si512(), one);
   const __m512i two = _mm512_set1_epi8(2);
   for (int g = 0; g < 8; ++g) {
-    const __m512i v0 = _mm512_loadu_si512(x + 64 * g), v1 = _mm512_loadu_si512(x + 64 * g + 32);
-    const __m512i lo = _mm512_permutex2var_epi8(v0, lo_idx, v1);
-    const __m512i hi = _mm512_permutex2var_epi8(v0, hi_idx, v1);
-    const __m512i cls = _mm512_permutex2var_epi8(cls0, lo, cls1);  // 11 * class of the low 7 bits
-    // e = 2 * (hi & 0x7F) + (lo >> 7), bytewise (the sign leaves the byte; word shifts keep the
-    // bits wanted inside each byte).
-    const __m512i e = _mm512_ternarylogic_epi32(_mm512_add_epi8(hi, hi), _mm512_srli_epi16(lo, 7), one, 0xF8);
+    const simd::Bf16Bytes b = simd::bf16_bytes(x + 64 * g);
+    const __m512i cls = _mm512_permutex2var_epi8(cls0, b.lo, cls1);  // 11 * class of the low 7 bits
     const __m512i c = _mm512_permutexvar_epi8(pair, kk);
     pair = _mm512_add_epi8(pair, two);
-    const __m512i w = _mm512_min_epu8(_mm512_subs_epu8(e, c), eight);
+    const __m512i w = _mm512_min_epu8(_mm512_subs_epu8(b.e, c), eight);
     __m512i q = _mm512_permutexvar_epi8(_mm512_add_epi8(w, cls), grid);
-    q = _mm512_ternarylogic_epi32(q, _mm512_srli_epi16(hi, 4), eight, 0xF8);  // sign (bit 7) to bit 3
+    q = _mm512_ternarylogic_epi32(q, _mm512_srli_epi16(b.hi, 4), eight, 0xF8);  // sign (bit 7) to bit 3
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * g), _mm512_cvtepi16_epi8(_mm512_maddubs_epi16(q, nibbles)));
   }
 }
@@ -137,8 +130,6 @@ static inline void mx4_elements512_bf16_b(const uint16_t* x, __m512i code, uint8
 template <class F>
 static inline void mx8_elements512_bf16_b(const uint16_t* x, __m512i code, __m512 mul, uint8_t* out) {
   constexpr int kM = F::kMbits;
-  const __m512i lo_idx = MQ_BF16_LO_BYTES;
-  const __m512i hi_idx = _mm512_add_epi8(lo_idx, _mm512_set1_epi8(1));
   const __m512i r0 = _mm512_load_si512(kMxRound<F>.t), r1 = _mm512_load_si512(kMxRound<F>.t + 64);
   const __m512i one = _mm512_set1_epi8(1), sign = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i near = _mm512_set1_epi8(kM + 1), max_code = _mm512_set1_epi8(static_cast<char>(F::kMaxCode));
@@ -147,15 +138,12 @@ static inline void mx8_elements512_bf16_b(const uint16_t* x, __m512i code, __m51
   __m512i pair = _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, _mm512_setzero_si512(), one);
   const __m512i two = _mm512_set1_epi8(2);
   for (int g = 0; g < 8; ++g) {
-    const __m512i v0 = _mm512_loadu_si512(x + 64 * g), v1 = _mm512_loadu_si512(x + 64 * g + 32);
-    const __m512i lo = _mm512_permutex2var_epi8(v0, lo_idx, v1);
-    const __m512i hi = _mm512_permutex2var_epi8(v0, hi_idx, v1);
-    const __m512i e = _mm512_ternarylogic_epi32(_mm512_add_epi8(hi, hi), _mm512_srli_epi16(lo, 7), one, 0xF8);
+    const simd::Bf16Bytes b = simd::bf16_bytes(x + 64 * g);
     const __m512i c = _mm512_permutexvar_epi8(pair, kk);
     pair = _mm512_add_epi8(pair, two);
-    const __m512i u = _mm512_subs_epu8(e, c);
+    const __m512i u = _mm512_subs_epu8(b.e, c);
     const __mmask64 normal = _mm512_test_epi8_mask(u, u);
-    const __m512i near_sub = _mm512_subs_epu8(_mm512_adds_epu8(e, near), c);
+    const __m512i near_sub = _mm512_subs_epu8(_mm512_adds_epu8(b.e, near), c);
     if (__builtin_expect(_mm512_mask_test_epi8_mask(~normal, near_sub, near_sub) != 0, 0)) {
       // A subnormal target: these two blocks through the fp32 path.
       for (int h = 0; h < 2; ++h) {
@@ -167,9 +155,9 @@ static inline void mx8_elements512_bf16_b(const uint16_t* x, __m512i code, __m51
       }
       continue;
     }
-    __m512i q = _mm512_add_epi8(_mm512_slli_epi16(u, kM), _mm512_permutex2var_epi8(r0, lo, r1));
+    __m512i q = _mm512_add_epi8(_mm512_slli_epi16(u, kM), _mm512_permutex2var_epi8(r0, b.lo, r1));
     q = _mm512_maskz_mov_epi8(normal, _mm512_min_epu8(q, max_code));
-    q = _mm512_ternarylogic_epi32(q, hi, sign, 0xF8);  // x's sign to bit 7
+    q = _mm512_ternarylogic_epi32(q, b.hi, sign, 0xF8);  // x's sign to bit 7
     _mm512_storeu_si512(out + 64 * g, q);
   }
 }

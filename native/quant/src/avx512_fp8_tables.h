@@ -113,9 +113,7 @@ static inline void fp8_tab_run(const uint16_t* x, int64_t n, Fp8Tab t, float s, 
   const int32_t G = -(t.k >> M);  // K = -G * 2^M
   int64_t i = 0;
   if (G >= 0 && G <= 255) {
-    const __m512i lo_idx = MQ_BF16_LO_BYTES;
-    const __m512i hi_idx = _mm512_add_epi8(lo_idx, _mm512_set1_epi8(1));
-    const __m512i one = _mm512_set1_epi8(1), sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
     const __m512i g = _mm512_set1_epi8(static_cast<char>(G)), near = _mm512_set1_epi8(M + 2);
     for (; i + 64 <= n; i += 64) {
       if constexpr (kPrefetch) {
@@ -124,21 +122,18 @@ static inline void fp8_tab_run(const uint16_t* x, int64_t n, Fp8Tab t, float s, 
           for (int b = 0; b < 256; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
         }
       }
-      const __m512i v0 = _mm512_loadu_si512(x + i), v1 = _mm512_loadu_si512(x + i + 32);
-      const __m512i lo = _mm512_permutex2var_epi8(v0, lo_idx, v1);
-      const __m512i hi = _mm512_permutex2var_epi8(v0, hi_idx, v1);
-      const __m512i e = _mm512_ternarylogic_epi32(_mm512_add_epi8(hi, hi), _mm512_srli_epi16(lo, 7), one, 0xF8);
-      const __m512i u = _mm512_subs_epu8(e, g);
+      const simd::Bf16Bytes b = simd::bf16_bytes(x + i);
+      const __m512i u = _mm512_subs_epu8(b.e, g);
       const __mmask64 normal = _mm512_test_epi8_mask(u, u);
-      const __m512i near_sub = _mm512_subs_epu8(_mm512_adds_epu8(e, near), g);  // e - G >= -(M + 1)
+      const __m512i near_sub = _mm512_subs_epu8(_mm512_adds_epu8(b.e, near), g);  // e - G >= -(M + 1)
       if (__builtin_expect(_mm512_mask_test_epi8_mask(~normal, near_sub, near_sub) != 0, 0)) {
         fp8_tab32<F>(x + i, ta, tb, k, s, out + i);
         fp8_tab32<F>(x + i + 32, ta, tb, k, s, out + i + 32);
         continue;
       }
-      __m512i q = _mm512_add_epi8(_mm512_slli_epi16(u, M), _mm512_permutex2var_epi8(ta, lo, tb));
+      __m512i q = _mm512_add_epi8(_mm512_slli_epi16(u, M), _mm512_permutex2var_epi8(ta, b.lo, tb));
       q = _mm512_maskz_mov_epi8(normal, q);
-      q = _mm512_ternarylogic_epi32(q, hi, sign, 0xF8);  // x's sign to bit 7
+      q = _mm512_ternarylogic_epi32(q, b.hi, sign, 0xF8);  // x's sign to bit 7
       _mm512_storeu_si512(out + i, q);
     }
   }

@@ -133,9 +133,9 @@ static inline __m256i int4_tab64(__m512i v0, __m512i v1, __m512i a0, __m512i a1,
   // Byte lane i: the low byte of input i (exponent bit 0 and the mantissa m, the table index;
   // vpermi2b reads bits 0-6), its exponent field e (bits 7-14), and bits 9-16 of it (the sign at
   // bit 6; the rest is masked off below): two vpmultishiftqb put e and bits 9-16 of each input in
-  // its two bytes, and three vpermt2b gather the 64 lanes (MQ_BF16_LO_BYTES: the low byte of
+  // its two bytes, and three vpermt2b gather the 64 lanes (simd::bf16_lo_idx: the low byte of
   // each 16-bit lane; + 1: the high byte).
-  const __m512i lo_idx = MQ_BF16_LO_BYTES;
+  const __m512i lo_idx = simd::bf16_lo_idx();
   const __m512i hi_idx = _mm512_add_epi8(lo_idx, _mm512_set1_epi8(1));
   const __m512i fields = _mm512_set1_epi64(0x3937292719170907ll);  // bit offsets 16j + 7, 16j + 9
   const __m512i f0 = _mm512_multishift_epi64_epi8(fields, v0), f1 = _mm512_multishift_epi64_epi8(fields, v1);

@@ -193,13 +193,30 @@ static inline uint32_t amax(const typename In<D>::T* x, int64_t n) {
   return _mm512_reduce_max_epu32(amax_lanes<D>(acc_abs<D>(x, n, _mm512_setzero_si512())));
 }
 
-// For the byte-lane kernels (VBMI: vpermt2b) of avx512_fp8_tables.h, avx512_bytes.h,
-// avx512_nvfp4_tables.h and avx512_int4_tables.h, the byte gathers of 64 bf16 inputs held in two
-// vectors (elements 0-31, 32-63): lane i of the low-byte vector is element i's low byte
-// (exponent bit 0, mantissa), of the high-byte vector its high byte (sign, exponent bits 7..1).
-#define MQ_BF16_LO_BYTES                                                                                              \
-  _mm512_set_epi64(0x7E7C7A7876747270ll, 0x6E6C6A6866646260ll, 0x5E5C5A5856545250ll, 0x4E4C4A4846444240ll,             \
-                   0x3E3C3A3836343230ll, 0x2E2C2A2826242220ll, 0x1E1C1A1816141210ll, 0x0E0C0A0806040200ll)
+// The byte-lane kernels (VBMI) of avx512_fp8_tables.h, avx512_bytes.h, avx512_nvfp4_tables.h and
+// avx512_int4_tables.h work on 64 bf16 inputs held in two vectors (elements 0-31, 32-63).
+// bf16_lo_idx: the vpermt2b index that gathers the low byte of each 16-bit lane (+ 1: the high
+// byte), so that lane i holds element i.
+static inline __m512i bf16_lo_idx() {
+  return _mm512_set_epi64(0x7E7C7A7876747270ll, 0x6E6C6A6866646260ll, 0x5E5C5A5856545250ll, 0x4E4C4A4846444240ll,
+                          0x3E3C3A3836343230ll, 0x2E2C2A2826242220ll, 0x1E1C1A1816141210ll, 0x0E0C0A0806040200ll);
+}
+#if defined(__AVX512VBMI__)
+// 64 bf16 inputs x[0, 64) on byte lanes: lane i of lo is input i's low byte (exponent bit 0 and
+// the 7 mantissa bits m, which vpermi2b reads as a table index), of hi its high byte (sign,
+// exponent bits 7..1), of e its exponent field 2 * (hi & 0x7F) + (lo >> 7) (the sign leaves the
+// byte; the word shift keeps the bit wanted inside each byte).
+struct Bf16Bytes {
+  __m512i lo, hi, e;
+};
+static inline Bf16Bytes bf16_bytes(const uint16_t* x) {
+  const __m512i v0 = _mm512_loadu_si512(x), v1 = _mm512_loadu_si512(x + 32);
+  const __m512i lo_idx = bf16_lo_idx(), hi_idx = _mm512_add_epi8(lo_idx, _mm512_set1_epi8(1));
+  const __m512i lo = _mm512_permutex2var_epi8(v0, lo_idx, v1), hi = _mm512_permutex2var_epi8(v0, hi_idx, v1);
+  const __m512i e = _mm512_ternarylogic_epi32(_mm512_add_epi8(hi, hi), _mm512_srli_epi16(lo, 7), _mm512_set1_epi8(1), 0xF8);
+  return {lo, hi, e};
+}
+#endif
 
 // Prefetch distance of the streaming kernels (bytes of input ahead of the current position).
 // On the project's VMs the hardware prefetchers leave a single-threaded stream waiting on

@@ -106,33 +106,25 @@ static inline __m512i nvfp4_scales256_tab(const uint16_t* x, const Nvfp4Tables& 
 // nvfp4_block_c is kk, packed: the bytes of nvfp4_elements256<bf16>.
 static inline void nvfp4_elements256_tab(const uint16_t* x, __m512i kk, const uint8_t* codes, const Nvfp4Tables& t,
                                          uint8_t* out) {
-  // 64 inputs (4 blocks) a step, one byte a lane: the low bytes (exponent bit 0, mantissa: the
-  // table index) and the high bytes (sign, exponent bits 7..1) gathered from two vectors.
-  const __m512i lo_idx = MQ_BF16_LO_BYTES;
-  const __m512i hi_idx = _mm512_add_epi8(lo_idx, _mm512_set1_epi8(1));
+  // 64 inputs (4 blocks) a step, one byte a lane (simd::bf16_bytes).
   const __m512i grid = _mm512_load_si512(kE2m1Grid11.g);
-  const __m512i one = _mm512_set1_epi8(1), eight = _mm512_set1_epi8(8);
+  const __m512i eight = _mm512_set1_epi8(8);
   const __m512i nibbles = _mm512_set1_epi16(0x1001);  // element 2i * 1 + element 2i + 1 * 16
   __m512i quad = _mm512_set_epi64(0x0303030303030303ll, 0x0303030303030303ll, 0x0202020202020202ll,
                                   0x0202020202020202ll, 0x0101010101010101ll, 0x0101010101010101ll, 0, 0);
   for (int g = 0; g < 4; ++g) {
-    const __m512i v0 = _mm512_loadu_si512(x + 64 * g), v1 = _mm512_loadu_si512(x + 64 * g + 32);
-    const __m512i lo = _mm512_permutex2var_epi8(v0, lo_idx, v1);
-    const __m512i hi = _mm512_permutex2var_epi8(v0, hi_idx, v1);
+    const simd::Bf16Bytes v = simd::bf16_bytes(x + 64 * g);
     __m512i tb[4];
     for (int b = 0; b < 4; ++b) {
       const uint8_t* tj = t.t[codes[4 * g + b] & 7];
-      tb[b] = _mm512_maskz_permutex2var_epi8(0xFFFFull << (16 * b), _mm512_load_si512(tj), lo, _mm512_load_si512(tj + 64));
+      tb[b] = _mm512_maskz_permutex2var_epi8(0xFFFFull << (16 * b), _mm512_load_si512(tj), v.lo, _mm512_load_si512(tj + 64));
     }
     const __m512i tab = _mm512_or_si512(_mm512_ternarylogic_epi32(tb[0], tb[1], tb[2], 0xFE), tb[3]);
-    // e = 2 * (hi & 0x7F) + (lo >> 7), bytewise (the sign leaves the byte; word shifts keep the
-    // bits wanted inside each byte).
-    const __m512i e = _mm512_ternarylogic_epi32(_mm512_add_epi8(hi, hi), _mm512_srli_epi16(lo, 7), one, 0xF8);
     const __m512i c = _mm512_permutexvar_epi8(quad, kk);  // lane i: C of block 4g + i / 16
     quad = _mm512_add_epi8(quad, _mm512_set1_epi8(4));
-    const __m512i u = _mm512_min_epu8(_mm512_subs_epu8(e, c), eight);
+    const __m512i u = _mm512_min_epu8(_mm512_subs_epu8(v.e, c), eight);
     __m512i code = _mm512_permutexvar_epi8(_mm512_add_epi8(u, tab), grid);
-    code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(hi, 4), eight, 0xF8);  // sign (bit 7) to bit 3
+    code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v.hi, 4), eight, 0xF8);  // sign (bit 7) to bit 3
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * g), _mm512_cvtepi16_epi8(_mm512_maddubs_epi16(code, nibbles)));
   }
 }
