@@ -55,7 +55,13 @@ def ranks(s_g: np.float32) -> np.ndarray:
 
 def embeddable(r: np.ndarray) -> bool:
     """Whether integers A[0..127] (non-decreasing), B[0..7] separate the ranks of r."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    try:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+    except ImportError as e:
+        raise SystemExit(
+            "nvfp4_embedding_feasibility.py needs scipy (not a project dependency): "
+            "python3 -m venv /tmp/sp && /tmp/sp/bin/pip install scipy numpy"
+        ) from e
 
     nv = 128 + 8
     rows: list[np.ndarray] = []
