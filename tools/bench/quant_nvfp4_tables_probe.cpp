@@ -34,7 +34,7 @@ int main() {
   while (xs.size() % 256) xs.push_back(0);
   const size_t n = xs.size();
   std::vector<uint8_t> want(n / 2), got(n / 2);
-  uint64_t bad = 0, checked = 0, bad_codes = 0, checked_codes = 0;
+  uint64_t bad = 0, checked = 0, bad_codes = 0, checked_codes = 0, one = 0, scales = 0;
   Nvfp4Tables tables;
   alignas(64) uint8_t codes[16];
   alignas(64) float factors[16];
@@ -46,6 +46,8 @@ int main() {
       const float sg = nvfp4_global_scale(amax);
       const float inv = 1.0f / sg;
       nvfp4_build_tables(sg, &tables);
+      one += tables.one;
+      ++scales;
       // Block codes: every bf16 block amax from 0 to the tensor's, 16 at a time.
       const uint32_t top = f32_bits(amax) >> 16;
       alignas(64) uint32_t lanes[16], got16[16];
@@ -66,24 +68,31 @@ int main() {
         }
         const __m512 factor = _mm512_load_ps(factors);
         const __m512i kk = nvfp4_block_c(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes))), tables);
-        for (size_t b = 0; b < n; b += 256) {
-          nvfp4_elements256<DType::bf16>(&xs[b], factor, &want[b / 2]);
-          nvfp4_elements256_tab(&xs[b], kk, codes, tables, &got[b / 2]);
-        }
-        checked += n / 2;
-        if (std::memcmp(want.data(), got.data(), n / 2) != 0) {
-          for (size_t j = 0; j < n / 2; ++j)
-            if (want[j] != got[j] && bad++ < 10)
-              std::printf("amax %08x shift %u byte %zu (inputs %04x %04x, code %u): fp32 path %02x, tables %02x\n",
-                          f32_bits(amax), t, j, xs[2 * j], xs[2 * j + 1], codes[(j / 8) % 16], want[j], got[j]);
+        for (size_t b = 0; b < n; b += 256) nvfp4_elements256<DType::bf16>(&xs[b], factor, &want[b / 2]);
+        // The tables as built (the one table where it exists), then the 8 tables for the same scale.
+        for (int pass = 0; pass < (tables.one ? 2 : 1); ++pass) {
+          Nvfp4Tables eight = tables;
+          if (pass == 1) eight.one = false;
+          const __m512i kb = pass == 1 ? _mm512_maskz_mov_epi8(0xFFFFull, kk) : kk;  // B bytes 0 as nvfp4_block_c
+          for (size_t b = 0; b < n; b += 256) nvfp4_elements256_tab(&xs[b], kb, codes, eight, &got[b / 2]);
+          checked += n / 2;
+          if (std::memcmp(want.data(), got.data(), n / 2) != 0) {
+            for (size_t j = 0; j < n / 2; ++j)
+              if (want[j] != got[j] && bad++ < 10)
+                std::printf("amax %08x shift %u byte %zu (inputs %04x %04x, code %u, %s): fp32 path %02x, tables %02x\n",
+                            f32_bits(amax), t, j, xs[2 * j], xs[2 * j + 1], codes[(j / 8) % 16],
+                            eight.one ? "one table" : "8 tables", want[j], got[j]);
+          }
         }
       }
     }
   }
   std::printf("mismatching block codes: %llu of %llu (every bf16 block amax up to the tensor's x global scales)\n",
               static_cast<unsigned long long>(bad_codes), static_cast<unsigned long long>(checked_codes));
-  std::printf("mismatching bytes: %llu of %llu (non-NaN bf16 inputs x block codes x global scales)\n",
+  std::printf("mismatching bytes: %llu of %llu (non-NaN bf16 inputs x block codes x global scales, one table and 8)\n",
               static_cast<unsigned long long>(bad), static_cast<unsigned long long>(checked));
+  std::printf("global scales with one table: %llu of %llu\n", static_cast<unsigned long long>(one),
+              static_cast<unsigned long long>(scales));
   // L1 timing: one batch of moderate values, block codes 40..55.
   std::vector<uint16_t> x(256);
   for (int i = 0; i < 256; ++i) x[i] = static_cast<uint16_t>(0x3f00 + (i * 37 % 300) + ((i & 1) << 15));
@@ -95,6 +104,10 @@ int main() {
   }
   const __m512 factor = _mm512_load_ps(factors);
   const __m512i kk = nvfp4_block_c(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes))), tables);
+  Nvfp4Tables eight = tables;
+  eight.one = false;
+  const __m512i kk8 = _mm512_maskz_mov_epi8(0xFFFFull, kk);
+  if (!tables.one) std::printf("(no one table for this scale: both timings are of the 8 tables)\n");
   constexpr int kReps = 400000;
   for (int r = 0; r < 3; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -108,10 +121,16 @@ int main() {
       asm volatile("" ::: "memory");
     }
     const auto t2 = std::chrono::steady_clock::now();
+    for (int k = 0; k < kReps; ++k) {
+      nvfp4_elements256_tab(x.data(), kk8, codes, eight, got.data());
+      asm volatile("" ::: "memory");
+    }
+    const auto t3 = std::chrono::steady_clock::now();
     const double el = 256.0 * kReps;
-    std::printf("nvfp4 elements in L1: fp32 path %.3f ns/el, tables %.3f ns/el\n",
+    std::printf("nvfp4 elements in L1: fp32 path %.3f ns/el, one table %.3f ns/el, 8 tables %.3f ns/el\n",
                 std::chrono::duration<double, std::nano>(t1 - t0).count() / el,
-                std::chrono::duration<double, std::nano>(t2 - t1).count() / el);
+                std::chrono::duration<double, std::nano>(t2 - t1).count() / el,
+                std::chrono::duration<double, std::nano>(t3 - t2).count() / el);
   }
   return bad == 0 && bad_codes == 0 ? 0 : 1;
 }

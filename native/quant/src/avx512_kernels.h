@@ -19,7 +19,9 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 
 namespace miles_quant {
 namespace cpu {

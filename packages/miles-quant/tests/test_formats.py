@@ -140,6 +140,20 @@ def test_stacked_experts_get_their_own_scales(fmt: str, gran: str, rule: str | N
             assert torch.equal(bits(q.global_scale[e]), bits(alone.global_scale))
 
 
+def test_nvfp4_every_tensor_amax_mantissa_native_equals_reference() -> None:
+    # The AVX512-VBMI kernel picks its element tables by the global scale: one table for 118 of
+    # the 128 mantissas a bf16 amax can have, 8 tables for the rest (avx512_nvfp4_tables.h).
+    # Expert e's amax has mantissa e, so every choice is taken; rows of 512 take the batched loop.
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(128, 4, 512, generator=g).clamp(-3.5, 3.5)
+    amax = (1 + torch.arange(128) / 128) * 4.0
+    w[:, 0, 0] = -amax
+    exponents = torch.tensor([1.0, 2.0**-20, 2.0**30, 1.0]).repeat(32).view(128, 1, 1)
+    q = _both((w * exponents).to(torch.bfloat16), "nvfp4", "1x16", None, stacked=True)
+    assert q.global_scale is not None
+    assert q.global_scale.unique().numel() == 128
+
+
 @pytest.mark.parametrize(("fmt", "gran", "rule"), CASES, ids=IDS)
 def test_result_does_not_depend_on_thread_count(fmt: str, gran: str, rule: str | None) -> None:
     require_native()
