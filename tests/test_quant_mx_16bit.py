@@ -1,7 +1,7 @@
 """miles-quant's 16-bit-lane MX paths equal its fp32 path on every input they can meet.
 
 The AVX-512 kernel quantizes whole bf16 MX blocks (MXFP4, MXFP8 E4M3 and E5M2) on 16-bit lanes
-when every E8M0 code of a batch is at least 3, 11 or 18 (native/quant/src/avx512_kernels.h,
+when every E8M0 code of a batch is at least 3, 11 or 18 (native/quant/src/avx512_mx.h,
 mx4_elements512_bf16_h and mx8_elements512_bf16_h). The package's own tests compare quantize()
 with the PyTorch reference on chosen and random blocks; this one builds and runs
 tools/bench/quant_mx_16bit_probe.cpp, which checks both paths byte for byte against the fp32

@@ -1,5 +1,5 @@
 // Exhaustive proof behind miles-quant's 16-bit-lane MX paths (mx4_elements512_bf16_h and
-// mx8_elements512_bf16_h in native/quant/src/avx512_kernels.h): for every E8M0 code from
+// mx8_elements512_bf16_h in native/quant/src/avx512_mx.h): for every E8M0 code from
 // kMx16MinCode (3 for E2M1, 11 for E4M3, 18 for E5M2) to 254 and every non-NaN, non-Inf bf16
 // input a block with that code can hold (|x| * 2^(127 - code) < 2^(emax + 1), true of every
 // input of a block under every scale rule), their bytes equal the fp32 path's

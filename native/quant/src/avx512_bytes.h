@@ -1,7 +1,7 @@
 // Byte-lane kernels for bf16 inputs, 64 inputs per instruction, one byte a lane: MXFP4 and MXFP8
 // elements (mx4_elements512_bf16_b, mx8_elements512_bf16_b) and the E2M1 grid they share with
 // the NVFP4 mantissa tables (avx512_nvfp4_tables.h). Need AVX512-VBMI (vpermi2b, vpermb);
-// included by avx512_kernels.h inside namespace miles_quant::cpu::MQ_CPU_NS, before the MX
+// included by avx512_mx.h inside namespace miles_quant::cpu::MQ_CPU_NS, before the MX
 // kernels. Without VBMI, kMxBytes is false and the 16-bit paths (mx4/mx8_elements512_bf16_h) run
 // instead. Every routine gathers the low bytes (exponent bit 0 and the 7 mantissa bits m) and the
 // high bytes (sign, exponent bits 7..1) of 64 inputs with two vpermt2b, then works on the
@@ -150,7 +150,7 @@ static inline void mx8_elements512_bf16_b(const uint16_t* x, __m512i code, __m51
         __m512 even, odd;
         simd::load_bf16_pairs(x + 64 * g + 32 * h, &even, &odd);
         const __m512 f = simd::lane(mul, 2 * g + h);
-        const __m512i w = _mm512_or_si512(simd::encode<F, false>(_mm512_mul_ps(even, f)), _mm512_slli_epi32(simd::encode<F, false>(_mm512_mul_ps(odd, f)), 16));
+        const __m512i w = _mm512_or_si512(simd::encode<F, false>(_mm512_mul_ps(even, f)), _mm512_slli_epi32((simd::encode<F, false>(_mm512_mul_ps(odd, f))), 16));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * g + 32 * h), _mm512_cvtepi16_epi8(w));
       }
       continue;

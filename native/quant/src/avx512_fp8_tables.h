@@ -1,7 +1,7 @@
 // FP8 (E4M3, E5M2) of bf16 inputs by mantissa tables: the contract's encode(x / s) without a
 // division, 64 inputs per instruction on byte lanes (32 on 16-bit lanes where the byte path
 // cannot take them, below). Needs AVX512-VBMI (vpermi2b, vpermt2b); included
-// by avx512_kernels.h inside namespace miles_quant::cpu::MQ_CPU_NS, after fp8_pairs32_bf16
+// by avx512_fp8.h inside namespace miles_quant::cpu::MQ_CPU_NS, after fp8_pairs32_bf16
 // (the fallback below). Without VBMI, kFp8Tables is false and the fp32 path runs everywhere.
 //
 // Why a table gives the contract's bits. Take a group that is not poisoned, with amax A (a bf16

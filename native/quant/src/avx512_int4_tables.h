@@ -1,6 +1,6 @@
 // INT4 (int4_g32, int4_g128) of bf16 inputs by mantissa tables: the contract's int4_code(x, s)
 // without a division, 64 inputs per instruction on byte lanes. Needs AVX512-VBMI (vpermi2b,
-// vpmultishiftqb); included by avx512_kernels.h inside namespace miles_quant::cpu::MQ_CPU_NS,
+// vpmultishiftqb); included by avx512_int4.h inside namespace miles_quant::cpu::MQ_CPU_NS,
 // after int4_store_scales and before int4_rows_v, whose fp32 lanes (int4_codes) encode every
 // group the tables leave. Without VBMI, kInt4Tables is false and the fp32 path runs everywhere.
 //

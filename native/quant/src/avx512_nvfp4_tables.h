@@ -1,6 +1,6 @@
 // NVFP4 elements of bf16 inputs by mantissa tables: the contract's encode_E2M1(x * factor)
 // without a multiplication, 64 inputs per instruction on byte lanes. Needs AVX512-VBMI
-// (vpermi2b, vpermb); included by avx512_kernels.h inside namespace miles_quant::cpu::MQ_CPU_NS,
+// (vpermi2b, vpermb); included by avx512_nvfp4.h inside namespace miles_quant::cpu::MQ_CPU_NS,
 // after nvfp4_elements256 (the path it replaces). Without VBMI, kNvfp4Tables is false.
 //
 // Why tables give the contract's bits (a matrix that is not poisoned, a 1x16 block of code c):

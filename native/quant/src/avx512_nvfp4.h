@@ -1,0 +1,209 @@
+// AVX-512 NVFP4 kernels: 1x16 rows (batched, with the VBMI tables) and 16x16 tiles.
+//
+// Part of the AVX-512 leaf kernels: included by avx512_kernels.h (which says how they keep the
+// contract) inside namespace miles_quant::cpu::MQ_CPU_NS, after the parts before it there.
+#pragma once
+
+// ---- NVFP4: 16-element blocks (1x16) or 16x16 tiles; 16 blocks along the row at a time -----
+
+// nvfp4_block_code and nvfp4_block_factor (contract.h) for 16 block amaxes, lane-wise. The
+// clamped block scale is at least 2^-6, the smallest normal E4M3, so its code decodes as normal.
+static inline __m512i nvfp4_codes(__m512i amax, __m512 sg, __m512 inv, __m512* factor) {
+  __m512 bs = _mm512_div_ps(_mm512_div_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(E2M1::kMax)), sg);
+  bs = _mm512_min_ps(_mm512_max_ps(bs, _mm512_set1_ps(kNvfp4BlockScaleMin)), _mm512_set1_ps(E4M3::kMax));
+  // encode<E4M3> of a normal, positive value no larger than 448: the integer RNE alone (no
+  // subnormal, sign or saturation step), with the exponent rebias folded in before the shift.
+  const __m512i u = _mm512_castps_si512(bs);
+  __m512i code = _mm512_add_epi32(u, simd::u32(((1u << 19) - 1u) - (120u << 23)));
+  code = _mm512_srli_epi32(_mm512_add_epi32(code, _mm512_and_si512(_mm512_srli_epi32(u, 20), simd::u32(1))), 20);
+  const __m512 dec = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(code, 20), simd::u32(120u << 23)));
+  *factor = _mm512_div_ps(inv, dec);
+  return code;
+}
+
+// 1x16, 16 whole blocks (256 contiguous inputs), no masks, in two halves so that the caller
+// can compute the next batch's scales (a long dependency chain: amax, three divisions, E4M3)
+// before this batch's elements, which then hide that latency.
+// First half: the block amaxes and scales (stored); returns the 16 element factors.
+template <DType D>
+static inline __m512 nvfp4_scales256(const typename In<D>::T* x, __m512 sg, __m512 inv, uint8_t* scales) {
+  prefetch_lines(reinterpret_cast<const char*>(x) + simd::kPrefetchAhead, 0, 256 * static_cast<int64_t>(sizeof(*x)));
+  __m512i amax;
+  if constexpr (D == DType::f32) {
+    __m512i m[16];
+    for (int k = 0; k < 16; ++k) m[k] = simd::abs_bits(_mm512_loadu_ps(x + 16 * k));
+    amax = simd::reduce16(m);
+  } else {
+    __m512i h[8];
+    for (int j = 0; j < 8; ++j) h[j] = _mm512_and_si512(_mm512_loadu_si512(x + 32 * j), _mm512_set1_epi16(0x7FFF));
+    const __m512i h16 = block16_amax_halves(h);
+    if constexpr (D == DType::bf16)
+      amax = _mm512_slli_epi32(h16, 16);
+    else
+      amax = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h16)));
+  }
+  __m512 factor;
+  const __m512i code = nvfp4_codes(amax, sg, inv, &factor);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(code));
+  return factor;
+}
+
+// Second half: the 256 elements, packed.
+template <DType D>
+static inline void nvfp4_elements256(const typename In<D>::T* x, __m512 factor, uint8_t* out) {
+  if constexpr (D == DType::bf16) {
+    // 32 inputs at a time, split into their even (low halves, shifted up) and odd (high halves)
+    // elements: both are exact fp32 widenings, and byte i of the packed output is the pair
+    // (even i, odd i). Lanes 0-7 belong to block 2j, lanes 8-15 to block 2j + 1.
+    const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int j = 0; j < 8; ++j) {
+      const __m512 f = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * j)), factor);
+      const __m512i v = _mm512_loadu_si512(x + 32 * j);
+      const __m512i even = e2m1_magnitude(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), f));
+      const __m512i odd = e2m1_magnitude(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, simd::u32(0xFFFF0000u))), f));
+      // The signs (x * factor keeps x's sign, zeros included): bits 15 and 31 to bits 3 and 7.
+      const __m512i w = _mm512_and_si512(v, simd::u32(0x80008000u));
+      const __m512i sign = _mm512_or_si512(_mm512_srli_epi32(w, 12), _mm512_srli_epi32(w, 24));
+      const __m512i bytes = _mm512_ternarylogic_epi32(even, _mm512_slli_epi32(odd, 4), sign, 0xFE);  // a | b | c
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * j), _mm512_cvtepi32_epi8(bytes));
+    }
+  } else {
+    for (int k = 0; k < 16; ++k) {
+      const __m512 v = _mm512_mul_ps(simd::load<D>(x + 16 * k, 0xFFFF), simd::lane(factor, k));
+      simd::store_nibbles16(out + 8 * k, e2m1_code(v));
+    }
+  }
+}
+
+#include "avx512_nvfp4_tables.h"  // kNvfp4Tables, nvfp4_elements256_tab (VBMI builds)
+
+// Rows the 1x16 kernel interleaves, batch by batch: two streams through memory keep more lines
+// in flight than one (8192x7168 bf16: 0.21 ns per element against 0.24); 4, 6 or 8 were slower
+// (0.23, 0.26, 0.28 ns with the tables).
+constexpr int kNvfp4Streams = 2;
+
+// The whole batches of 1x16 rows r[0, n), n <= kNvfp4Streams, interleaved batch by batch. Each
+// row is software-pipelined: the next batch's amax and scales (a chain of three divisions) are
+// computed before this batch's elements, which hide its latency. tables[k]: the mantissa
+// tables of row k's matrix (bf16 with kNvfp4Tables; else unused).
+template <DType D>
+static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const Nvfp4Tables* const* tables) {
+  using T = typename In<D>::T;
+  constexpr bool kTab = D == DType::bf16 && kNvfp4Tables;  // block codes and elements by tables
+  const int64_t R = a.rows, C = a.cols, nc = (C + 15) / 16, out_stride = (C + 1) / 2;
+  const int64_t batches = C / 256;
+  struct Row {
+    const T* x;
+    uint8_t* scales;
+    uint8_t* out;
+    __m512 sg, inv, f;  // the fp32 path: global scale, its inverse, the batch's element factors
+    __m512i k;          // the tables: the batch's nvfp4_block_c
+    const Nvfp4Tables* tables;
+  };
+  // The first half of batch q of row w (its scales), and the second (its elements).
+  const auto scales = [](Row& w, int64_t q, __m512* f, __m512i* k) {
+    if constexpr (kTab)
+      *k = nvfp4_scales256_tab(w.x + q * 256, *w.tables, w.scales + q * 16);
+    else
+      *f = nvfp4_scales256<D>(w.x + q * 256, w.sg, w.inv, w.scales + q * 16);
+  };
+  const auto elements = [](const Row& w, int64_t q) {
+    if constexpr (kTab)
+      nvfp4_elements256_tab(w.x + q * 256, w.k, w.scales + q * 16, *w.tables, w.out + q * 128);
+    else
+      nvfp4_elements256<D>(w.x + q * 256, w.f, w.out + q * 128);
+  };
+  Row rows[kNvfp4Streams];
+  for (int k = 0; k < n; ++k) {
+    const float g = a.global_scale[r[k] / R];
+    rows[k] = {static_cast<const T*>(a.x) + r[k] * C, a.scales + r[k] * nc, a.out + r[k] * out_stride,
+               _mm512_set1_ps(g), _mm512_set1_ps(1.0f / g), _mm512_setzero_ps(), _mm512_setzero_si512(), tables[k]};
+    scales(rows[k], 0, &rows[k].f, &rows[k].k);
+  }
+  for (int64_t q = 0; q + 1 < batches; ++q) {
+    for (int k = 0; k < n; ++k) {
+      Row& w = rows[k];
+      __m512 f = w.f;
+      __m512i kk = w.k;
+      scales(w, q + 1, &f, &kk);
+      elements(w, q);
+      w.f = f;
+      w.k = kk;
+    }
+  }
+  for (int k = 0; k < n; ++k) elements(rows[k], batches - 1);
+}
+
+template <DType D>
+static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint32_t* gamax) {
+  const auto* x = static_cast<const typename In<D>::T*>(a.x);
+  const int64_t R = a.rows, C = a.cols, tr = a.tile16x16 ? 16 : 1;
+  const int64_t nr = (R + tr - 1) / tr, nc = (C + 15) / 16, out_stride = (C + 1) / 2;
+  // 1x16 rows of at least one whole batch: the whole batches first, kNvfp4Streams rows at a time,
+  // t0 + i, t0 + g + i, t0 + 2g + i, ... (rows of a poisoned matrix are left to the loop below).
+  // Stream k keeps the mantissa tables of the matrix its rows are in (rebuilt when that changes).
+  const bool batched = tr == 1 && C >= 256;
+  if (batched) {
+    Nvfp4Tables tables[kNvfp4Streams];
+    int64_t matrix[kNvfp4Streams];
+    for (int k = 0; k < kNvfp4Streams; ++k) matrix[k] = -1;
+    const int64_t g = (t1 - t0 + kNvfp4Streams - 1) / kNvfp4Streams;
+    for (int64_t i = 0; i < g; ++i) {
+      int64_t r[kNvfp4Streams];
+      const Nvfp4Tables* tab[kNvfp4Streams];
+      int n = 0;
+      for (int k = 0; k < kNvfp4Streams; ++k) {
+        const int64_t row = t0 + k * g + i;
+        if (row >= t1 || is_poisoned(gamax[row / R])) continue;
+        if constexpr (D == DType::bf16 && kNvfp4Tables) {
+          if (matrix[k] != row / R) {
+            matrix[k] = row / R;
+            nvfp4_build_tables(a.global_scale[row / R], &tables[k]);
+          }
+        }
+        r[n] = row;
+        tab[n++] = &tables[k];
+      }
+      if (n > 0) nvfp4_row_group<D>(a, r, n, tab);
+    }
+  }
+  __m512i m[16];
+  alignas(64) float factor[16];
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t b = t / nr, i = t % nr;
+    const int64_t r0 = b * R + i * tr, r1 = b * R + lo(R, (i + 1) * tr);
+    if (is_poisoned(gamax[b])) {
+      for (int64_t r = r0; r < r1; ++r) {
+        std::memset(a.scales + r * nc, E4M3::kNanCode, static_cast<size_t>(nc));
+        std::memset(a.out + r * out_stride, 0, static_cast<size_t>(out_stride));
+      }
+      continue;
+    }
+    const __m512 sg = _mm512_set1_ps(a.global_scale[b]);
+    const __m512 inv = _mm512_set1_ps(1.0f / a.global_scale[b]);
+    for (int64_t j0 = batched ? C / 256 * 16 : 0; j0 < nc; j0 += 16) {
+      const int64_t nb = lo(16, nc - j0);
+      for (int64_t k = 0; k < 16; ++k) m[k] = _mm512_setzero_si512();
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t c0 = (j0 + k) * 16;
+        const int64_t n = lo(16, C - c0);
+        __m512i acc = _mm512_setzero_si512();
+        for (int64_t r = r0; r < r1; ++r) acc = simd::acc_abs<D>(x + r * C + c0, n, acc);
+        m[k] = simd::amax_lanes<D>(acc);
+      }
+      __m512 fv;
+      const __m512i code = nvfp4_codes(simd::reduce16(m), sg, inv, &fv);
+      _mm512_store_ps(factor, fv);
+      for (int64_t r = r0; r < r1; ++r) simd::store_bytes(a.scales + r * nc + j0, code, simd::tail_mask(nb));
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t c0 = (j0 + k) * 16, n = lo(16, C - c0);
+        const simd::Mask mk = simd::tail_mask(n);
+        const __m512 f = _mm512_set1_ps(factor[k]);
+        for (int64_t r = r0; r < r1; ++r) {
+          const __m512 v = _mm512_mul_ps(simd::load<D>(x + r * C + c0, mk), f);
+          simd::store_nibbles(a.out + r * out_stride + c0 / 2, simd::encode<E2M1, false>(v), n);
+        }
+      }
+    }
+  }
+}
