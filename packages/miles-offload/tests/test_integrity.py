@@ -351,12 +351,19 @@ def test_commit_waits_for_every_sync_and_a_failed_sync_fails_the_step(
     opt.close()
 
 
-def _child_holding_the_lock(seconds: float) -> subprocess.Popen[bytes]:
-    """A process that shares this process's open lock (as a child forked a moment ago does until
-    its at-fork hook has run) and keeps it `seconds`: exec'd with the lock's descriptor."""
+def _child_holding_the_lock(seconds: float, directory: Path) -> subprocess.Popen[bytes]:
+    """A process that shares this process's open lock of `directory` (as a child forked a moment
+    ago does until its at-fork hook has run) and keeps it `seconds`: exec'd with the lock's
+    descriptor. Other tests' optimizers may not have been collected yet, so the lock is picked
+    by its directory, not assumed to be the only one open."""
     from miles_offload import _store
 
-    (lock,) = [f for f in list(_store._LOCKS) if not f.closed]
+    root = os.path.abspath(directory)
+    (lock,) = [
+        f
+        for f in list(_store._LOCKS)
+        if not f.closed and os.path.abspath(f.name).startswith(root + os.sep)
+    ]
     code = f"import time; time.sleep({seconds})"
     return subprocess.Popen([sys.executable, "-c", code], pass_fds=(lock.fileno(),))
 
@@ -369,7 +376,7 @@ def test_a_lock_a_child_still_shares_is_waited_for(tmp_path: Path) -> None:
     opt = _nvme(params, tmp_path)
     run(params, opt, range(1))
     t0 = time.monotonic()
-    child = _child_holding_the_lock(0.5)
+    child = _child_holding_the_lock(0.5, tmp_path)
     try:
         opt.close()
         again = _nvme(params, tmp_path, resume=True)
@@ -387,7 +394,7 @@ def test_a_child_that_keeps_the_lock_is_named_after_the_wait(tmp_path: Path, mon
     monkeypatch.setattr(_store, "_INHERITED_LOCK_WAIT_S", 0.2)
     params = make_params()
     opt = _nvme(params, tmp_path)
-    child = _child_holding_the_lock(60)
+    child = _child_holding_the_lock(60, tmp_path)
     try:
         opt.close()
         with pytest.raises(RuntimeError, match="locked by a process forked from this one"):
