@@ -5,8 +5,10 @@ division or multiplication: block scale codes and element codes are table lookup
 mantissas plus the exponents (native/quant/src/avx512_nvfp4_tables.h explains why that is
 exact). The package's own tests compare quantize() with the PyTorch reference on chosen and
 random inputs; this one builds and runs tools/bench/quant_nvfp4_tables_probe.cpp, which checks
-the block codes against the contract's nvfp4_block_code for every bf16 block amax up to the
-tensor amax, and the element bytes against the fp32 path for every non-NaN bf16 input, every
+the block codes against the contract's nvfp4_block_code for every finite bf16 block amax (above
+the tensor amax too: a given global scale, quantize(..., global_scale=), meets those), which
+given global scales take the tables (nvfp4_tables_cover: exactly those some bf16 tensor amax
+gives), and the element bytes against the fp32 path for every non-NaN bf16 input, every
 block scale code and every global-scale mantissa a bf16 tensor can have, through the one-table
 loop where a global scale has one (tools/gen_nvfp4_embeddings.py) and through the 8 tables for
 every scale (7.7 billion bytes).
@@ -21,7 +23,8 @@ from quant_probes import AVX512, run_probe
 
 def test_nvfp4_tables_equal_the_fp32_path_exhaustively(tmp_path: Path) -> None:
     out = run_probe("quant_nvfp4_tables_probe.cpp", (*AVX512, "avx512vbmi"), tmp_path)
-    assert "mismatching block codes: 0 of 20307984" in out, out
+    assert "nvfp4_tables_cover wrong: 0 of 97920" in out, out
+    assert "mismatching block codes: 0 of 33456000" in out, out
     assert "mismatching bytes: 0 of 7677902848" in out, out
     # 118 of the 128 tensor-amax mantissas, at each of the probe's 8 exponents, take the one table
     # (avx512_nvfp4_embeddings.inc); a wrong entry there is rejected and lowers this count.

@@ -52,6 +52,7 @@ FORMATS = [
     ("mxfp8_e4m3 rceil", "mxfp8_e4m3", "1x32", "rceil"),
     ("mxfp4 floor", "mxfp4", "1x32", "floor"),
     ("nvfp4 1x16", "nvfp4", "1x16", None),
+    ("nvfp4 1x16 static", "nvfp4", "1x16", None),  # a given global scale (global_scale=)
     ("int4_g128", "int4_g128", "1x128", None),
 ]
 
@@ -94,8 +95,10 @@ def _torchao() -> tuple[Callable[..., object], Callable[..., object], Callable[.
     def mx(x: torch.Tensor, elem: torch.dtype, rule: str) -> object:
         return to_mx(x, elem, 32, modes[rule])
 
-    def nvfp4(x: torch.Tensor) -> object:
-        return nvfp4_quantize(x, 16, per_tensor_amax_to_scale(x.abs().amax().float()))
+    def nvfp4(x: torch.Tensor, scale: torch.Tensor | None = None) -> object:
+        if scale is None:
+            scale = per_tensor_amax_to_scale(x.abs().amax().float())
+        return nvfp4_quantize(x, 16, scale)
 
     return mx, nvfp4, per_tensor_amax_to_scale
 
@@ -135,12 +138,17 @@ def methods_for(
     threads: list[int],
     ref: bool,
 ) -> list[Method]:
-    """The timed methods of one format on x: native per thread count, then the peers."""
+    """The timed methods of one format on x: native per thread count, then the peers.
+    A "static" label: NVFP4 with the global scale given (computed once beforehand, as a
+    calibrated input_scale would be), for miles-quant and torchao alike."""
     stacked = x.dim() == 3 and gran in ("tensor", "1x16")
     ms = []
     q = mq.quantize(x, fmt, granularity=gran, scale_rule=rule, stacked=stacked)
     moved = x.nbytes + _nbytes(q)
     kw = {"granularity": gran, "scale_rule": rule, "stacked": stacked}
+    static = label.endswith("static")
+    if static:
+        kw["global_scale"] = q.global_scale
     for t in threads:
         native = functools.partial(mq.quantize, x, fmt, threads=t, out=q, **kw)  # type: ignore[arg-type]
         ms.append(Method("native", t, native, moved))
@@ -162,13 +170,14 @@ def methods_for(
         mx, nvfp4, _ = ao
         x2 = x.reshape(-1, x.shape[-1])
         if fmt == "nvfp4":
-            fn: Callable[[], object] = functools.partial(nvfp4, x2)
+            given = ao[2](x2.abs().amax().float()) if static else None
+            fn: Callable[[], object] = functools.partial(nvfp4, x2, given)
         else:
             elem = torch.float4_e2m1fn_x2 if fmt == "mxfp4" else el.torch_dtype  # type: ignore[union-attr]
             fn = functools.partial(mx, x2, elem, rule or "floor")
         for t in threads:
             ms.append(Method("torchao eager", t, fn, moved, slow_peer=True))
-    modelopt = _modelopt_nvfp4() if fmt == "nvfp4" else None
+    modelopt = _modelopt_nvfp4() if fmt == "nvfp4" and not static else None
     if modelopt is not None:
         x2 = x.reshape(-1, x.shape[-1])
         for t in threads:

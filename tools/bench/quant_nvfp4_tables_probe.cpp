@@ -1,6 +1,9 @@
 // Exhaustive proof behind miles-quant's NVFP4 mantissa tables (native/quant/src/
 // avx512_nvfp4_tables.h, the AVX512-VBMI build). Block scales: nvfp4_block_codes_tab equals
-// nvfp4_block_code (contract.h) for every bf16 block amax up to the tensor amax. Elements:
+// nvfp4_block_code (contract.h) for every finite bf16 block amax, up to the tensor amax and
+// above it (a given global scale, quantize(..., global_scale=), saturates those). Which given
+// scales take the tables: nvfp4_tables_cover holds for the global scale of every finite bf16
+// tensor amax and for no fp32 value one ulp away from one. Elements:
 // nvfp4_elements256_tab's bytes equal the fp32
 // path's (nvfp4_elements256: encode_E2M1(x * factor) with a vmulps, itself tested against the
 // PyTorch reference) for every non-NaN bf16 input x, every block scale code 8..126 (2^-6..448,
@@ -28,6 +31,18 @@ using namespace miles_quant::cpu::avx512vbmi;
 static_assert(kNvfp4Tables, "compile with -mavx512vbmi");
 
 int main() {
+  // nvfp4_tables_cover: true on every computed global scale, false one fp32 ulp off each.
+  uint64_t cover_bad = 0, cover_checked = 0;
+  for (uint32_t h = 0; h < 0x7F80u; ++h) {
+    const float sg = nvfp4_global_scale(bits_f32(h << 16));
+    cover_checked += 3;
+    if (!nvfp4_tables_cover(sg) && cover_bad++ < 10) std::printf("cover: scale of %04x not covered\n", h);
+    for (const uint32_t off : {f32_bits(sg) - 1u, f32_bits(sg) + 1u})
+      if (nvfp4_tables_cover(bits_f32(off)) && cover_bad++ < 10) std::printf("cover: %08x (near the scale of %04x) covered\n", off, h);
+  }
+  std::printf("nvfp4_tables_cover wrong: %llu of %llu\n", static_cast<unsigned long long>(cover_bad),
+              static_cast<unsigned long long>(cover_checked));
+
   std::vector<uint16_t> xs;
   for (uint32_t b = 0; b < 65536; ++b)
     if ((b & 0x7FFFu) <= 0x7F80u) xs.push_back(static_cast<uint16_t>(b));  // all but NaN
@@ -48,8 +63,9 @@ int main() {
       nvfp4_build_tables(sg, &tables);
       one += tables.one;
       ++scales;
-      // Block codes: every bf16 block amax from 0 to the tensor's, 16 at a time.
-      const uint32_t top = f32_bits(amax) >> 16;
+      // Block codes: every finite bf16 block amax, 16 at a time (those above the tensor's
+      // occur with a given global scale).
+      const uint32_t top = 0x7F7Fu;
       alignas(64) uint32_t lanes[16], got16[16];
       for (uint32_t b0 = 0; b0 <= top; b0 += 16) {
         for (uint32_t k = 0; k < 16; ++k) lanes[k] = (b0 + k <= top ? b0 + k : top) | 0xABCD0000u;  // high bits: noise
@@ -87,7 +103,7 @@ int main() {
       }
     }
   }
-  std::printf("mismatching block codes: %llu of %llu (every bf16 block amax up to the tensor's x global scales)\n",
+  std::printf("mismatching block codes: %llu of %llu (every finite bf16 block amax x global scales)\n",
               static_cast<unsigned long long>(bad_codes), static_cast<unsigned long long>(checked_codes));
   std::printf("mismatching bytes: %llu of %llu (non-NaN bf16 inputs x block codes x global scales, one table and 8)\n",
               static_cast<unsigned long long>(bad), static_cast<unsigned long long>(checked));

@@ -58,13 +58,15 @@ NB_MODULE(_ext_cuda, m) {
     check(cuda::quantize_mx(a, as_stream(stream)), "quantize_mx");
   });
   m.def("quantize_nvfp4", [](Any x, int dtype, int64_t batch, int64_t rows, int64_t cols, bool tile16x16, U8 out,
-                             U8 scales, F32 global_scale, uintptr_t stream) {
+                             U8 scales, F32 global_scale, uintptr_t stream, bool given_scale) {
     const DType d = static_cast<DType>(dtype);
     expect(static_cast<int64_t>(x.nbytes()) == batch * rows * cols * itemsize(d), "quantize_nvfp4: x size");
     expect(static_cast<int64_t>(out.size()) == batch * rows * cdiv(cols, 2), "quantize_nvfp4: out size");
     expect(static_cast<int64_t>(scales.size()) == batch * rows * cdiv(cols, 16), "quantize_nvfp4: scales size");
     expect(static_cast<int64_t>(global_scale.size()) == batch, "quantize_nvfp4: global_scale size");
-    Nvfp4Args a{x.data(), d, batch, rows, cols, tile16x16, out.data(), scales.data(), global_scale.data(), 0};
+    // A given global_scale (device memory) was validated by the caller (miles_quant.quantize).
+    Nvfp4Args a{x.data(), d, batch, rows, cols, tile16x16, out.data(), scales.data(), global_scale.data(), 0,
+                given_scale};
     check(cuda::quantize_nvfp4(a, as_stream(stream)), "quantize_nvfp4");
   });
   m.def("quantize_int4", [](Any x, int dtype, int64_t rows, int64_t cols, int64_t group, int scale_dtype, U8 out,

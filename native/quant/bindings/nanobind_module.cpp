@@ -98,19 +98,26 @@ NB_MODULE(_ext, m) {
   m.def(
       "quantize_nvfp4",
       [](Any x, int dtype, int64_t batch, int64_t rows, int64_t cols, bool tile16x16, U8 out, U8 scales,
-         F32 global_scale, int threads) {
+         F32 global_scale, int threads, bool given_scale) {
         const DType d = to_dtype(dtype);
         expect(batch >= 0 && rows >= 0 && cols >= 0, "quantize_nvfp4: bad sizes");
         expect(static_cast<int64_t>(x.nbytes()) == batch * rows * cols * itemsize(d), "quantize_nvfp4: x size");
         expect(static_cast<int64_t>(out.size()) == batch * rows * cdiv(cols, 2), "quantize_nvfp4: out size");
         expect(static_cast<int64_t>(scales.size()) == batch * rows * cdiv(cols, 16), "quantize_nvfp4: scales size");
         expect(static_cast<int64_t>(global_scale.size()) == batch, "quantize_nvfp4: global_scale size");
-        Nvfp4Args a{x.data(), d, batch, rows, cols, tile16x16, out.data(), scales.data(), global_scale.data(), threads};
+        Nvfp4Args a{x.data(), d, batch, rows, cols, tile16x16, out.data(), scales.data(), global_scale.data(), threads,
+                    given_scale};
+        if (given_scale)
+          for (int64_t b = 0; b < batch; ++b) {
+            const uint32_t g = f32_bits(a.global_scale[b]);
+            expect(g >= 0x00800000u && g < kF32InfBits, "quantize_nvfp4: a given global_scale must be a normal positive fp32");
+          }
         nb::gil_scoped_release release;
         cpu::quantize_nvfp4(a);
       },
       nb::arg("x"), nb::arg("dtype"), nb::arg("batch"), nb::arg("rows"), nb::arg("cols"),
-      nb::arg("tile16x16"), nb::arg("out"), nb::arg("scales"), nb::arg("global_scale"), nb::arg("threads"));
+      nb::arg("tile16x16"), nb::arg("out"), nb::arg("scales"), nb::arg("global_scale"), nb::arg("threads"),
+      nb::arg("given_scale") = false);
 
   m.def(
       "quantize_int4",

@@ -150,6 +150,16 @@ __global__ void mx_kernel(MxArgs a) {
 
 // ---- NVFP4 ----------------------------------------------------------------------------------
 
+// The global scale of matrix b: the caller's (a.given_scale; gamax is null then) or from its amax.
+__device__ float nvfp4_matrix_scale(const Nvfp4Args& a, const uint32_t* gamax, int64_t b, bool* poisoned) {
+  if (a.given_scale) {
+    *poisoned = false;
+    return a.global_scale[b];
+  }
+  *poisoned = is_poisoned(gamax[b]);
+  return *poisoned ? 0.0f : nvfp4_global_scale(bits_f32(gamax[b]));
+}
+
 template <DType D>
 __global__ void nvfp4_kernel(Nvfp4Args a, const uint32_t* gamax) {
   const int64_t R = a.rows, C = a.cols, tr = a.tile16x16 ? 16 : 1;
@@ -159,14 +169,15 @@ __global__ void nvfp4_kernel(Nvfp4Args a, const uint32_t* gamax) {
   const int64_t b = t / (nr * nc), i = (t / nc) % nr, j = t % nc;
   const int64_t r0 = b * R + i * tr, r1 = b * R + imin(R, (i + 1) * tr);
   const int64_t c0 = j * 16, c1 = imin(C, c0 + 16);
-  const bool poisoned = is_poisoned(gamax[b]);
-  const float sg = poisoned ? 0.0f : nvfp4_global_scale(bits_f32(gamax[b]));
+  bool poisoned;
+  const float sg = nvfp4_matrix_scale(a, gamax, b, &poisoned);
   uint32_t amax = 0;
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t c = c0; c < c1; ++c) {
       const uint32_t v = abs_bits(load_f32<D>(a.x, r * C + c));
       amax = v > amax ? v : amax;
     }
+  poisoned = poisoned || is_poisoned(amax);  // a block with NaN / Inf under a given global scale
   const uint32_t code = poisoned ? E4M3::kNanCode : nvfp4_block_code(bits_f32(amax), sg);
   const float factor = poisoned ? 0.0f : nvfp4_block_factor(1.0f / sg, code);
   for (int64_t r = r0; r < r1; ++r) {
@@ -351,9 +362,9 @@ __global__ void nvfp4_vec_kernel(Nvfp4Args a, const uint32_t* gamax) {
   float v[8] = {};
   const uint32_t amax = group_amax<D>(a.x, ch, C, v);
   if (!ch.valid) return;
-  const uint32_t g = gamax[ch.r / a.rows];
-  const bool poisoned = is_poisoned(g);
-  const float sg = poisoned ? 0.0f : nvfp4_global_scale(bits_f32(g));
+  bool poisoned;
+  const float sg = nvfp4_matrix_scale(a, gamax, ch.r / a.rows, &poisoned);
+  poisoned = poisoned || is_poisoned(amax);  // a block with NaN / Inf under a given global scale
   const uint32_t code = poisoned ? E4M3::kNanCode : nvfp4_block_code(bits_f32(amax), sg);
   const float factor = poisoned ? 0.0f : nvfp4_block_factor(1.0f / sg, code);
   if (ch.leader()) a.scales[ch.group(C)] = static_cast<uint8_t>(code);
@@ -566,16 +577,17 @@ __global__ void nvfp4_global_only(Nvfp4Args a, const uint32_t* gamax) {
 template <DType D>
 struct Nvfp4Launch {
   static int run(const Nvfp4Args& a, cudaStream_t s) {
-    uint32_t* gamax = matrix_amax<D>(a.x, a.batch, a.rows * a.cols, s);
-    if (gamax == nullptr) return static_cast<int>(cudaGetLastError());
-    // Global scales first (also for matrices with no elements), then the blocks.
-    if (a.batch > 0) nvfp4_global_only<<<grid_for(a.batch), kThreads, 0, s>>>(a, gamax);
+    // A given global scale needs no amax pass; else the global scales first (also for matrices
+    // with no elements), then the blocks.
+    uint32_t* gamax = a.given_scale ? nullptr : matrix_amax<D>(a.x, a.batch, a.rows * a.cols, s);
+    if (gamax == nullptr && !a.given_scale) return static_cast<int>(cudaGetLastError());
+    if (a.batch > 0 && !a.given_scale) nvfp4_global_only<<<grid_for(a.batch), kThreads, 0, s>>>(a, gamax);
     const int64_t tiles = a.batch * cdiv(a.rows, a.tile16x16 ? 16 : 1) * cdiv(a.cols, 16);
     if (tiles > 0 && !a.tile16x16 && vec_ok(a.x, a.cols, a.out, true))
       nvfp4_vec_kernel<D><<<grid_for(chunk_threads<16>(a.batch * a.rows, a.cols)), kThreads, 0, s>>>(a, gamax);
     else if (tiles > 0)
       nvfp4_kernel<D><<<grid_for(tiles), kThreads, 0, s>>>(a, gamax);
-    cudaFreeAsync(gamax, s);
+    if (gamax != nullptr) cudaFreeAsync(gamax, s);
     return static_cast<int>(cudaGetLastError());
   }
 };

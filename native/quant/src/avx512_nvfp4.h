@@ -8,6 +8,8 @@
 
 // nvfp4_block_code and nvfp4_block_factor (contract.h) for 16 block amaxes, lane-wise. The
 // clamped block scale is at least 2^-6, the smallest normal E4M3, so its code decodes as normal.
+// A poisoned amax (NaN or Inf: only with a given global scale) gives the NaN code 0x7F (and a
+// finite factor); the caller writes its elements as +0 (nvfp4_zero_poisoned).
 static inline __m512i nvfp4_codes(__m512i amax, __m512 sg, __m512 inv, __m512* factor) {
   __m512 bs = _mm512_div_ps(_mm512_div_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(E2M1::kMax)), sg);
   bs = _mm512_min_ps(_mm512_max_ps(bs, _mm512_set1_ps(kNvfp4BlockScaleMin)), _mm512_set1_ps(E4M3::kMax));
@@ -18,7 +20,16 @@ static inline __m512i nvfp4_codes(__m512i amax, __m512 sg, __m512 inv, __m512* f
   code = _mm512_srli_epi32(_mm512_add_epi32(code, _mm512_and_si512(_mm512_srli_epi32(u, 20), simd::u32(1))), 20);
   const __m512 dec = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(code, 20), simd::u32(120u << 23)));
   *factor = _mm512_div_ps(inv, dec);
-  return code;
+  return _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(amax, simd::u32(kF32InfBits)), simd::u32(E4M3::kNanCode));
+}
+
+// The elements of a batch's poisoned blocks (scale code 0x7F; only with a given global scale)
+// to +0: `codes` the batch's 16 block codes, `out` its 128 packed bytes.
+static inline void nvfp4_zero_poisoned(const uint8_t* codes, uint8_t* out) {
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  uint32_t bad = _mm_cmpeq_epi8_mask(c, _mm_set1_epi8(static_cast<char>(E4M3::kNanCode)));
+  if (__builtin_expect(bad != 0, 0))
+    for (; bad != 0; bad &= bad - 1) std::memset(out + 8 * __builtin_ctz(bad), 0, 8);
 }
 
 // 1x16, 16 whole blocks (256 contiguous inputs), no masks, in two halves so that the caller
@@ -84,12 +95,14 @@ constexpr int kNvfp4Streams = 2;
 
 // The whole batches of 1x16 rows r[0, n), n <= kNvfp4Streams, interleaved batch by batch. Each
 // row is software-pipelined: the next batch's amax and scales (a chain of three divisions) are
-// computed before this batch's elements, which hide its latency. tables[k]: the mantissa
-// tables of row k's matrix (bf16 with kNvfp4Tables; else unused).
-template <DType D>
+// computed before this batch's elements, which hide its latency. Tab: block codes and elements
+// by the mantissa tables (bf16 with kNvfp4Tables), tables[k] those of row k's matrix; else the
+// fp32 path (tables unused).
+template <DType D, bool Tab>
 static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const Nvfp4Tables* const* tables) {
   using T = typename In<D>::T;
-  constexpr bool kTab = D == DType::bf16 && kNvfp4Tables;  // block codes and elements by tables
+  constexpr bool kTab = Tab;
+  static_assert(!Tab || (D == DType::bf16 && kNvfp4Tables), "the tables take bf16 inputs on VBMI builds");
   const int64_t R = a.rows, C = a.cols, nc = (C + 15) / 16, out_stride = (C + 1) / 2;
   const int64_t batches = C / 256;
   struct Row {
@@ -112,6 +125,7 @@ static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const N
       nvfp4_elements256_tab(w.x + q * 256, w.k, w.scales + q * 16, *w.tables, w.out + q * 128);
     else
       nvfp4_elements256<D>(w.x + q * 256, w.f, w.out + q * 128);
+    nvfp4_zero_poisoned(w.scales + q * 16, w.out + q * 128);
   };
   Row rows[kNvfp4Streams];
   for (int k = 0; k < n; ++k) {
@@ -146,29 +160,42 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
   if (batched) {
     Nvfp4Tables tables[kNvfp4Streams];
     int64_t matrix[kNvfp4Streams];
+    bool tab_ok[kNvfp4Streams] = {};  // the tables hold for that matrix's global scale
     for (int k = 0; k < kNvfp4Streams; ++k) matrix[k] = -1;
     const int64_t g = (t1 - t0 + kNvfp4Streams - 1) / kNvfp4Streams;
     for (int64_t i = 0; i < g; ++i) {
-      int64_t r[kNvfp4Streams];
+      int64_t r[kNvfp4Streams], rf[kNvfp4Streams];
       const Nvfp4Tables* tab[kNvfp4Streams];
-      int n = 0;
+      int n = 0, nf = 0;  // rows by the tables, rows by the fp32 path
       for (int k = 0; k < kNvfp4Streams; ++k) {
         const int64_t row = t0 + k * g + i;
         if (row >= t1 || is_poisoned(gamax[row / R])) continue;
         if constexpr (D == DType::bf16 && kNvfp4Tables) {
           if (matrix[k] != row / R) {
             matrix[k] = row / R;
-            nvfp4_build_tables(a.global_scale[row / R], &tables[k]);
+            const float s_g = a.global_scale[row / R];
+            // A computed global scale always is one the tables were proven for; a given one
+            // only when some bf16 tensor amax gives it (else the fp32 path, same bits).
+            tab_ok[k] = !a.given_scale || nvfp4_tables_cover(s_g);
+            if (tab_ok[k]) nvfp4_build_tables(s_g, &tables[k]);
+          }
+          if (tab_ok[k]) {
+            r[n] = row;
+            tab[n++] = &tables[k];
+            continue;
           }
         }
-        r[n] = row;
-        tab[n++] = &tables[k];
+        rf[nf++] = row;
       }
-      if (n > 0) nvfp4_row_group<D>(a, r, n, tab);
+      if constexpr (D == DType::bf16 && kNvfp4Tables) {
+        if (n > 0) nvfp4_row_group<D, true>(a, r, n, tab);
+      }
+      if (nf > 0) nvfp4_row_group<D, false>(a, rf, nf, tab);
     }
   }
   __m512i m[16];
   alignas(64) float factor[16];
+  alignas(64) uint32_t codes[16];
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t b = t / nr, i = t % nr;
     const int64_t r0 = b * R + i * tr, r1 = b * R + lo(R, (i + 1) * tr);
@@ -194,9 +221,14 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
       __m512 fv;
       const __m512i code = nvfp4_codes(simd::reduce16(m), sg, inv, &fv);
       _mm512_store_ps(factor, fv);
+      _mm512_store_si512(codes, code);
       for (int64_t r = r0; r < r1; ++r) simd::store_bytes(a.scales + r * nc + j0, code, simd::tail_mask(nb));
       for (int64_t k = 0; k < nb; ++k) {
         const int64_t c0 = (j0 + k) * 16, n = lo(16, C - c0);
+        if (codes[k] == E4M3::kNanCode) {  // poisoned (a given global scale): elements +0
+          for (int64_t r = r0; r < r1; ++r) std::memset(a.out + r * out_stride + c0 / 2, 0, static_cast<size_t>((n + 1) / 2));
+          continue;
+        }
         const simd::Mask mk = simd::tail_mask(n);
         const __m512 f = _mm512_set1_ps(factor[k]);
         for (int64_t r = r0; r < r1; ++r) {

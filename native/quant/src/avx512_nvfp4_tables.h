@@ -129,6 +129,18 @@ static inline void nvfp4_build_tables(float s_g, Nvfp4Tables* out) {
   nvfp4_embed(inv, out);
 }
 
+// Whether the tables hold for the global scale s_g: whether s_g is nvfp4_global_scale(A) for a
+// finite bf16 A >= 0 (the 1e-10 clamp included), the scales quant_nvfp4_tables_probe.cpp
+// covers. Always so for a computed scale; a given one (Nvfp4Args::given_scale) is checked.
+static inline bool nvfp4_tables_cover(float s_g) {
+  if (f32_bits(s_g) == f32_bits(nvfp4_global_scale(0.0f))) return true;
+  // s_g * 2688 is within two fp32 ulps of A: truncated to bf16 it is A or the bf16 below it.
+  const uint32_t a = f32_bits(s_g * kNvfp4GlobalDivisor) & 0xFFFF0000u;
+  for (const uint32_t c : {a, a + 0x10000u})
+    if (c < kF32InfBits && f32_bits(nvfp4_global_scale(bits_f32(c))) == f32_bits(s_g)) return true;
+  return false;
+}
+
 // The E4M3 block scale codes of 16 blocks from their bf16 amaxes (low 16 bits of each lane; the
 // high bits may hold anything): nvfp4_block_code lane-wise.
 static inline __m512i nvfp4_block_codes_tab(__m512i h16, const Nvfp4Tables& t) {
@@ -154,7 +166,11 @@ static inline __m512i nvfp4_scales256_tab(const uint16_t* x, const Nvfp4Tables& 
   prefetch_lines(reinterpret_cast<const char*>(x) + simd::kPrefetchAhead, 0, 512);
   __m512i h[8];
   for (int j = 0; j < 8; ++j) h[j] = _mm512_and_si512(_mm512_loadu_si512(x + 32 * j), _mm512_set1_epi16(0x7FFF));
-  const __m512i code = nvfp4_block_codes_tab(block16_amax_halves(h), t);
+  const __m512i h16 = block16_amax_halves(h);
+  // A block holding a NaN or Inf (only with a given global scale) gets the NaN code 0x7F; the
+  // caller writes its elements as +0 (nvfp4_zero_poisoned).
+  const __mmask16 poisoned = _mm512_cmpge_epu32_mask(_mm512_and_si512(h16, simd::u32(0xFFFF)), simd::u32(0x7F80));
+  const __m512i code = _mm512_mask_mov_epi32(nvfp4_block_codes_tab(h16, t), poisoned, simd::u32(E4M3::kNanCode));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(code));
   return nvfp4_block_c(code, t);
 }
@@ -206,6 +222,7 @@ static inline void nvfp4_elements256_tab(const uint16_t* x, __m512i kk, const ui
 #else
 constexpr bool kNvfp4Tables = false;
 struct Nvfp4Tables {};
+static inline bool nvfp4_tables_cover(float) { return false; }
 static inline void nvfp4_build_tables(float, Nvfp4Tables*) {}
 static inline __m512i nvfp4_scales256_tab(const uint16_t*, const Nvfp4Tables&, uint8_t*) { return _mm512_setzero_si512(); }
 static inline void nvfp4_elements256_tab(const uint16_t*, __m512i, const uint8_t*, const Nvfp4Tables&, uint8_t*) {}

@@ -194,8 +194,11 @@ void quantize_mx(const MxArgs& a) {
 void quantize_nvfp4(const Nvfp4Args& a) {
   const Leaf& L = leaf();
   const int64_t B = a.batch, R = a.rows, C = a.cols, tr = a.tile16x16 ? 16 : 1;
-  const std::vector<uint32_t> gamax = batch_amax(a.dtype, a.x, B, R * C, a.threads);
-  for (int64_t b = 0; b < B; ++b) {
+  // A given global scale needs no amax pass: no matrix is poisoned as a whole (gamax 0), and
+  // the kernels poison each block holding a NaN or Inf on its own.
+  const std::vector<uint32_t> gamax =
+      a.given_scale ? std::vector<uint32_t>(static_cast<size_t>(B), 0u) : batch_amax(a.dtype, a.x, B, R * C, a.threads);
+  for (int64_t b = 0; b < B && !a.given_scale; ++b) {
     const uint32_t m = gamax[static_cast<size_t>(b)];
     a.global_scale[b] = is_poisoned(m) ? bits_f32(kF32QuietNan) : nvfp4_global_scale(bits_f32(m));
   }

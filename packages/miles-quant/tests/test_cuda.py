@@ -148,3 +148,32 @@ def test_cuda_reference_backend_equals_cpu_reference(
     # The torch reference on CUDA tensors (what QAT's fake quantization runs on a GPU): its
     # divisions must not become multiplications by a reciprocal (test_reference_divisions.py).
     _on_device_equals_reference("cuda", fmt, gran, rule, torch.bfloat16, shape, backend="torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("gran", ["1x16", "16x16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_cuda_nvfp4_with_a_given_global_scale_equals_reference(
+    gran: str, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    # No amax kernel then; a NaN poisons its block alone, values beyond 2688 * s saturate.
+    stacked = len(shape) == 3
+    if gran == "16x16" and shape[-2] % 16:
+        pytest.skip("16x16 tiles need N % 16 == 0 here")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g) * torch.logspace(-4, 4, shape[-1])
+    x.view(-1, shape[-1])[3, 5] = float("nan")
+    x = x.clamp(-60000, 60000).to(dtype)
+    scales = [torch.tensor(0.0123), torch.tensor(1.0)]
+    if stacked:
+        scales.append(torch.linspace(0.01, 3.0, shape[0]))
+    for s in scales:
+        kw = {"granularity": gran, "stacked": stacked, "global_scale": s}
+        ref = mq.quantize(x, "nvfp4", backend="torch", **kw)  # type: ignore[arg-type]
+        got = mq.quantize(x.cuda(), "nvfp4", backend="native", **kw)  # type: ignore[arg-type]
+        torch.cuda.synchronize()
+        assert torch.equal(got.data.cpu(), ref.data)
+        assert torch.equal(got.scales.cpu().view(torch.uint8), ref.scales.view(torch.uint8))
+        assert torch.equal(got.global_scale.cpu(), ref.global_scale)

@@ -133,7 +133,7 @@ def test_state_dict_round_trip_continues_identically() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"format": "mxfp4"}, "per-tensor FP8"),
+        ({"format": "mxfp4"}, "no per-tensor scale"),
         ({"history": 0}, "history must be"),
         ({"margin": -1}, "margin must be"),
         ({"backend": "cuda"}, "backend must be"),
@@ -172,3 +172,45 @@ def test_an_empty_or_zero_history_falls_back_to_the_own_amax(first: str) -> None
     assert torch.equal(bits(q.scales), bits(fresh.scales))
     assert torch.equal(bits(q.data), bits(fresh.data))
     assert sc.next_amax() == x.abs().amax()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nvfp4_global_scale_comes_from_the_history(backend: str) -> None:
+    sc = mq.DelayedScaler("nvfp4", history=2, backend=backend)  # type: ignore[arg-type]
+    a, b, c = _step(2.0, 256), _step(8.0, 256), _step(1.0, 256)
+    # Nothing recorded: the tensor's own amax, i.e. the dynamic result bit for bit.
+    q0 = sc.quantize(a)
+    dyn = mq.quantize(a, "nvfp4", backend=backend)  # type: ignore[arg-type]
+    assert torch.equal(bits(q0.global_scale), bits(dyn.global_scale))
+    assert torch.equal(q0.data, dyn.data)
+    sc.quantize(b)  # scale from a (2.0); records 8.0
+    q2 = sc.quantize(c)  # history [2, 8]: the scale of amax 8.0, not c's own 1.0
+    want = torch.tensor(8.0, dtype=torch.float32) / 2688.0
+    assert torch.equal(bits(q2.global_scale), bits(want))
+    ref = mq.quantize(c, "nvfp4", global_scale=want, backend="torch")
+    assert torch.equal(q2.data, ref.data)
+    assert torch.equal(q2.scales.view(torch.uint8), ref.scales.view(torch.uint8))
+    assert sc.amax_history.tolist() == [8.0, 1.0]
+    # A NaN poisons its block only and is not recorded.
+    d = _step(4.0, 256)
+    d[17] = float("nan")
+    q3 = sc.quantize(d)
+    s3 = q3.scales.view(torch.uint8)
+    assert s3[1] == 0x7F
+    assert (s3[torch.arange(16) != 1] != 0x7F).all()
+    assert sc.amax_history.tolist() == [8.0, 1.0]
+    # Values beyond the delayed range saturate: history max 8, x up to 64.
+    q4 = sc.quantize(_step(64.0, 256))
+    top = float(mq.dequantize(q4, torch.float32).abs().max())
+    assert top == pytest.approx(float(q4.global_scale) * 2688, rel=1e-6)
+    assert top < 64.0
+
+
+def test_nvfp4_first_call_with_nan_is_the_dynamic_poisoned_result() -> None:
+    sc = mq.DelayedScaler("nvfp4", history=4, backend="torch")
+    x = _step(2.0, 64)
+    x[0] = float("inf")
+    q = sc.quantize(x)
+    assert torch.isnan(q.global_scale)
+    assert (q.scales.view(torch.uint8) == 0x7F).all()
+    assert sc.amax_history.numel() == 0

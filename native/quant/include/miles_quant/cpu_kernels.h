@@ -212,6 +212,13 @@ static void nvfp4_rows_t(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
       }
       // The block is the whole tile (16x16: one scale repeated on its rows; 1x16: one row).
       const uint32_t amax = tile_amax<D>(x, C, r0, r1, c0, c1);
+      if (is_poisoned(amax)) {  // only with a given global scale: else the matrix is poisoned
+        for (int64_t r = r0; r < r1; ++r) {
+          a.scales[r * nc + j] = static_cast<uint8_t>(E4M3::kNanCode);
+          std::memset(a.out + r * out_stride + c0 / 2, 0, static_cast<size_t>((c1 - c0 + 1) / 2));
+        }
+        continue;
+      }
       const uint32_t code = nvfp4_block_code(bits_f32(amax), sg);
       const float factor = nvfp4_block_factor(inv, code);
       for (int64_t r = r0; r < r1; ++r) {

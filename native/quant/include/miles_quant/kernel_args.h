@@ -40,7 +40,9 @@ struct MxArgs {
 
 // NVFP4: x is [batch, rows, cols]; out [batch * rows, ceil(cols/2)] packed E2M1; scales (E4M3
 // codes) [batch * rows, ceil(cols/16)] (a 16x16 tile's scale repeated on its 16 rows);
-// global_scale [batch] fp32.
+// global_scale [batch] fp32: written (from each matrix's amax), or read when given_scale (the
+// caller's, a normal positive fp32 each; no amax pass, and a 1x16 block or 16x16 tile holding a
+// NaN or Inf is poisoned alone: scale code 0x7F, elements +0).
 struct Nvfp4Args {
   const void* x;
   DType dtype;
@@ -50,6 +52,7 @@ struct Nvfp4Args {
   uint8_t* scales;
   float* global_scale;
   int threads;
+  bool given_scale = false;
 };
 
 // INT4: x is [rows, cols], groups of `group` along cols; out [rows, ceil(cols/2)] packed

@@ -112,6 +112,43 @@ def _check_input(x: torch.Tensor, fmt: Format, granularity: str, stacked: bool) 
             )
 
 
+def _check_global_scale(
+    g: torch.Tensor | float, fmt: Format, x: torch.Tensor, stacked: bool
+) -> torch.Tensor:
+    """A given NVFP4 global scale as a float32 tensor on x's device: [] or [E] (stacked)."""
+    if fmt.family != "nvfp4":
+        raise ValueError(
+            f"quantize: global_scale applies to nvfp4 only, not {fmt.name} (other formats "
+            "have no per-tensor scale; per-tensor FP8 with a past scale is DelayedScaler)"
+        )
+    if isinstance(g, bool) or not isinstance(g, (torch.Tensor, float, int)):
+        raise ValueError(
+            f"quantize: global_scale must be a float or a float32 tensor, got {type(g).__name__}"
+        )
+    if isinstance(g, torch.Tensor):
+        if g.dtype != torch.float32:
+            raise ValueError(
+                f"quantize: global_scale must be float32 (the stored NVFP4 global scale), got "
+                f"{g.dtype}; convert it explicitly if its rounding to fp32 is what you want"
+            )
+        experts = x.shape[0] if stacked else None
+        if g.dim() != 0 and not (experts is not None and tuple(g.shape) == (experts,)):
+            want = f"() or ({experts},) (one per expert)" if experts is not None else "()"
+            raise ValueError(f"quantize: global_scale must have shape {want}, got {tuple(g.shape)}")
+        t = g.detach().to(x.device)
+    else:
+        t = torch.tensor(float(g), dtype=torch.float32, device=x.device)
+    bits = t.view(torch.int32)
+    ok = (bits >= 0x00800000) & (bits < 0x7F800000)  # normal, positive, finite
+    if not bool(ok.all()):
+        bad = t[~ok].reshape(-1)[0].item() if t.dim() else t.item()
+        raise ValueError(
+            f"quantize: global_scale must be finite and at least 2^-126 (a normal positive "
+            f"fp32), got {bad!r}"
+        )
+    return t
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -189,6 +226,7 @@ def quantize(
     backend: Backend = "auto",
     threads: int | None = None,
     out: QuantizedTensor | None = None,
+    global_scale: torch.Tensor | float | None = None,
 ) -> QuantizedTensor:
     """Quantizes `x` under the precision contract (docs/contract.md).
 
@@ -223,6 +261,16 @@ def quantize(
             the same shape and dtype: its buffers (data, scales, global_scale) are overwritten
             in place instead of allocating new ones (the native kernels write into them
             directly). Use it in loops: a fresh large buffer costs its first-touch page faults.
+        global_scale: nvfp4 only: the fp32 global scale to use instead of the one computed from
+            x's amax (a static or calibrated scale: ModelOpt's `input_scale` or
+            `weight_scale_2`, `calibrate.input_scale(amax, "nvfp4")`, or an earlier result's
+            `.global_scale`). A float or a float32 tensor of shape () (with stacked=True also
+            [E], one per expert), each finite and at least 2^-126 (a normal positive fp32).
+            There is no amax pass then (one read of x instead of two); values beyond 448 * 6 *
+            global_scale saturate, and a block holding a NaN or Inf is poisoned alone (scale
+            NaN, elements +0), not the whole tensor. The result's `.global_scale` is this
+            value. `quantize(x, "nvfp4", global_scale=quantize(x, "nvfp4").global_scale)`
+            gives the same bits as `quantize(x, "nvfp4")` for a finite x.
 
     Returns:
         A QuantizedTensor (with out=: one that shares out's buffers).
@@ -261,6 +309,7 @@ def quantize(
             f"got {threads!r}"
         )
     _check_input(x, fmt, gran, stacked)
+    given_sg = None if global_scale is None else _check_global_scale(global_scale, fmt, x, stacked)
     sd = x.dtype if scale_dtype is None else scale_dtype
     if fmt.family == "int4" and sd not in INPUT_DTYPES:
         raise ValueError(f"quantize: scale_dtype must be float32, bfloat16 or float16, got {sd}")
@@ -344,10 +393,11 @@ def quantize(
         b, r = (shape[0], math.prod(shape[1:-1])) if stacked else (1, math.prod(lead))
         x3 = x.reshape(b, r, k)
         tile16 = gran == "16x16"
+        gs = None if given_sg is None else given_sg.expand(b).contiguous()
         if native:
-            d, s, g = _native.nvfp4(x3, tile16, threads, into)
+            d, s, g = _native.nvfp4(x3, tile16, threads, into, gs)
         else:
-            d, s, g = _reference.nvfp4(x3, tile16)
+            d, s, g = _reference.nvfp4(x3, tile16, gs)
         data = d.reshape(*lead, d.shape[-1])
         scales = s.reshape(*lead, s.shape[-1]).view(torch.float8_e4m3fn)
         gscale = g.reshape(b) if stacked else g.reshape(())

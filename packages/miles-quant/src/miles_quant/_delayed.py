@@ -5,7 +5,8 @@ Dynamic per-tensor scaling needs the current amax before the cast (one extra pas
 a reduction the cast waits for). Delayed scaling takes the max of the last `history` recorded
 amaxes, quantizes with it (values above it saturate), then records the current amax for the
 next call. The FP8 arithmetic is the contract's per-tensor FP8 (docs/contract.md, section 4)
-with the amax replaced by the history max.
+with the amax replaced by the history max; NVFP4's global scale comes from the history max the
+same way and goes to `quantize(x, "nvfp4", global_scale=...)` (the block scales stay dynamic).
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from typing import Literal
 import torch
 
 from miles_quant import _bits, _native
-from miles_quant._api import QuantizedTensor
-from miles_quant._spec import AMAX_MIN, FORMATS, INPUT_DTYPES
+from miles_quant._api import QuantizedTensor, quantize
+from miles_quant._spec import AMAX_MIN, FORMATS, INPUT_DTYPES, NVFP4_GLOBAL_DIVISOR
 
-_DELAYED_FORMATS = ("fp8_e4m3", "fp8_e5m2")
+_DELAYED_FORMATS = ("fp8_e4m3", "fp8_e5m2", "nvfp4")
 
 
 class DelayedScaler:
-    """Per-tensor FP8 quantization with the scale from an amax history.
+    """Per-tensor FP8 (or the NVFP4 global scale) with the scale from an amax history.
 
     Each `quantize(x)` call:
 
@@ -44,8 +45,14 @@ class DelayedScaler:
     The native and torch backends give the same bits. The history lives on the device of the
     inputs; on a CUDA tensor each call synchronises once (to check the amax is finite).
 
+    "nvfp4" (1x16 blocks, activations): step 2 computes the global scale
+    `s_g = (max(amax_used, 1e-10) / 2688) * 2^margin` and quantizes with
+    `quantize(x, "nvfp4", global_scale=s_g)`: block scales from each block, values beyond
+    `2688 * s_g` saturate, and a NaN or Inf poisons only its block (its amax is not recorded).
+    A first call (nothing recorded) gives the bits of the dynamic `quantize(x, "nvfp4")`.
+
     Args:
-        format: "fp8_e4m3" (default) or "fp8_e5m2".
+        format: "fp8_e4m3" (default), "fp8_e5m2" or "nvfp4".
         history: how many past amaxes the scale looks at (>= 1; TransformerEngine's default
             amax_history_len is 1024, 16 is a common short window).
         margin: extra headroom as a power of two: the scale is multiplied by 2^margin (>= 0).
@@ -63,8 +70,9 @@ class DelayedScaler:
     ) -> None:
         if format not in _DELAYED_FORMATS:
             raise ValueError(
-                f"DelayedScaler: format must be one of {_DELAYED_FORMATS} (per-tensor FP8), got "
-                f"{format!r}; block formats (MX, NVFP4, fp8 1x128) scale each block dynamically"
+                f"DelayedScaler: format must be one of {_DELAYED_FORMATS} (a per-tensor scale), "
+                f"got {format!r}; the other block formats (MX, fp8 1x128 / 128x128, INT4) have "
+                "no per-tensor scale: each block is scaled dynamically"
             )
         if not isinstance(history, int) or history < 1:
             raise ValueError(f"DelayedScaler: history must be an int >= 1, got {history!r}")
@@ -100,13 +108,15 @@ class DelayedScaler:
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
         """Quantizes x (float32, bfloat16 or float16, at least 1-D) with the delayed scale and
         records its amax. Returns a QuantizedTensor: data float8 of x's shape, scales a float32
-        scalar tensor."""
+        scalar tensor (FP8); or an "nvfp4" one with global_scale the delayed scale."""
         if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES or x.dim() < 1:
             what = type(x).__name__ if not isinstance(x, torch.Tensor) else f"{x.dtype} {x.dim()}-D"
             raise ValueError(
                 f"DelayedScaler.quantize: expected a float32, bfloat16 or float16 tensor with at "
                 f"least one dimension, got {what}"
             )
+        if self.format == "nvfp4":
+            return self._quantize_nvfp4(x)
         el = FORMATS[self.format].element
         assert el is not None
         assert el.torch_dtype is not None
@@ -145,6 +155,28 @@ class DelayedScaler:
             x.dtype,
             "tensor",
         )
+
+    def _quantize_nvfp4(self, x: torch.Tensor) -> QuantizedTensor:
+        if self._amax.device != x.device:
+            self._amax = self._amax.to(x.device)
+        xf = x.detach().to(torch.float32)
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        amax_now = xf.abs().amax() if xf.numel() else zero  # NaN and Inf propagate
+        finite = bool(torch.isfinite(amax_now))
+        hist = self._history_max()
+        used = amax_now if hist is None else torch.where(hist > 0, hist, amax_now)
+        if not bool(torch.isfinite(used)):
+            # Nothing recorded and x is not finite: no scale to take; the dynamic contract
+            # poisons the whole tensor (global scale NaN), and nothing is recorded.
+            return quantize(x, "nvfp4", backend=self.backend)
+        s = _bits.div(torch.clamp_min(used, AMAX_MIN), NVFP4_GLOBAL_DIVISOR)
+        if self.margin:
+            s = s * (2.0**self.margin)
+        q = quantize(x, "nvfp4", backend=self.backend, global_scale=s)
+        if finite and xf.numel():
+            self._amax[self._count % self.history] = amax_now
+            self._count += 1
+        return q
 
     def state_dict(self) -> dict[str, object]:
         """Checkpointable state: the settings and the amax history (plain tensors and ints)."""

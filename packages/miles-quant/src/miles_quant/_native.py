@@ -159,7 +159,10 @@ def nvfp4(
     tile16x16: bool,
     threads: int | None = None,
     into: tuple[torch.Tensor, ...] | None = None,
+    global_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """global_scale: fp32 [b] on x's device, normal and positive (checked by the API): used
+    instead of each matrix's amax (no amax pass; blocks with NaN / Inf are poisoned alone)."""
     b, r, c = x.shape
     mod, last = _mod(x, threads)
     out, scales, gscale = _buffers(
@@ -171,7 +174,12 @@ def nvfp4(
             ((b,), torch.float32),
         ],
     )
-    mod.quantize_nvfp4(_raw(x), DTYPE_CODES[x.dtype], b, r, c, tile16x16, out, scales, gscale, last)
+    given = global_scale is not None
+    if global_scale is not None:
+        gscale.copy_(global_scale)
+    mod.quantize_nvfp4(
+        _raw(x), DTYPE_CODES[x.dtype], b, r, c, tile16x16, out, scales, gscale, last, given
+    )
     return out, scales, gscale
 
 

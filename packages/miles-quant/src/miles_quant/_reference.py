@@ -133,20 +133,29 @@ def _pack(codes: torch.Tensor) -> torch.Tensor:
     return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
 
 
-def nvfp4(x: torch.Tensor, tile16x16: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4(
+    x: torch.Tensor, tile16x16: bool, global_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 on x [B, R, C]: E2M1 elements, E4M3 block scales, fp32 global scale per matrix.
 
     Returns packed data uint8 [B, R, ceil(C/2)], block scale codes uint8 [B, R, ceil(C/16)]
     (a 16x16 tile's code repeated on its rows) and global scales fp32 [B].
-    s_g = max(amax, 1e-10) / 2688; block code = e4m3(clamp((amax_b / 6) / s_g, 2^-6, 448));
-    elements e2m1(x * ((1 / s_g) / block scale)).
+    s_g = max(amax, 1e-10) / 2688, or `global_scale` [B] when given (then a block holding NaN or
+    Inf is poisoned alone, not its matrix); block code = e4m3(clamp((amax_b / 6) / s_g, 2^-6,
+    448)); elements e2m1(x * ((1 / s_g) / block scale)).
     """
     b, r, c = x.shape
     tr = 16 if tile16x16 else 1
     xf0 = x.to(torch.float32)
-    gamax = _matrix_amax_bits(xf0)
-    gpoison = gamax >= F32_INF_BITS
-    sg = _bits.div(torch.maximum(_bits.bits_f32(gamax), _amax_min(x.device)), NVFP4_GLOBAL_DIVISOR)
+    if global_scale is None:
+        gamax = _matrix_amax_bits(xf0)
+        gpoison = gamax >= F32_INF_BITS
+        sg = _bits.div(
+            torch.maximum(_bits.bits_f32(gamax), _amax_min(x.device)), NVFP4_GLOBAL_DIVISOR
+        )
+    else:
+        sg = global_scale.to(device=x.device, dtype=torch.float32).reshape(b)
+        gpoison = torch.zeros(b, dtype=torch.bool, device=x.device)
     inv = torch.ones_like(sg) / sg
     xf = _pad(xf0, tr, 16)
     amax = _tile_amax_bits(xf, tr, 16)  # [B, nR, nC]
@@ -155,8 +164,9 @@ def nvfp4(x: torch.Tensor, tile16x16: bool) -> tuple[torch.Tensor, torch.Tensor,
     code = _bits.encode(bs, E4M3)
     factor = inv.view(b, 1, 1) / _bits.decode(code, E4M3)
     codes = _bits.encode(xf * _expand(factor, tr, 16), E2M1)
-    gp = gpoison.view(b, 1, 1)
-    codes = torch.where(gp, 0, codes).to(torch.uint8)
+    # Poisoned: the matrix (computed scale), or a block alone (given scale: gpoison all False).
+    gp = gpoison.view(b, 1, 1) | (amax >= F32_INF_BITS)
+    codes = torch.where(_expand(gp, tr, 16), 0, codes).to(torch.uint8)
     code = torch.where(gp, E4M3.nan_code, code).to(torch.uint8)
     data = _pack(codes)[:, :r, : (c + 1) // 2].contiguous()
     scales = code.repeat_interleave(tr, dim=1)[:, :r].contiguous()
