@@ -141,6 +141,9 @@ def test_out_and_python_floats() -> None:
     again = mq.quantize(x, "nvfp4", global_scale=0.01, out=buf)
     assert again.data.data_ptr() == buf.data.data_ptr()
     assert_same_quantized(again, q)
+    # The scale of the buffer being overwritten, as a calibrated loop would pass it.
+    same = mq.quantize(x, "nvfp4", global_scale=buf.global_scale, out=buf)
+    assert_same_quantized(same, q)
 
 
 @pytest.mark.parametrize(

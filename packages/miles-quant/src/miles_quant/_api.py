@@ -393,7 +393,8 @@ def quantize(
         b, r = (shape[0], math.prod(shape[1:-1])) if stacked else (1, math.prod(lead))
         x3 = x.reshape(b, r, k)
         tile16 = gran == "16x16"
-        gs = None if given_sg is None else given_sg.expand(b).contiguous()
+        # A copy: the caller may pass out.global_scale itself (out=q, global_scale=q.global_scale).
+        gs = None if given_sg is None else given_sg.expand(b).clone()
         if native:
             d, s, g = _native.nvfp4(x3, tile16, threads, into, gs)
         else:
