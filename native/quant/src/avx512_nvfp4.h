@@ -97,8 +97,9 @@ constexpr int kNvfp4Streams = 2;
 // row is software-pipelined: the next batch's amax and scales (a chain of three divisions) are
 // computed before this batch's elements, which hide its latency. Tab: block codes and elements
 // by the mantissa tables (bf16 with kNvfp4Tables), tables[k] those of row k's matrix; else the
-// fp32 path (tables unused).
-template <DType D, bool Tab>
+// fp32 path (tables unused). Given: the global scale was given, so single blocks may be poisoned
+// (with a computed one nothing is, and the dynamic call skips those checks).
+template <DType D, bool Tab, bool Given>
 static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const Nvfp4Tables* const* tables) {
   using T = typename In<D>::T;
   constexpr bool kTab = Tab;
@@ -116,7 +117,7 @@ static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const N
   // The first half of batch q of row w (its scales), and the second (its elements).
   const auto scales = [](Row& w, int64_t q, __m512* f, __m512i* k) {
     if constexpr (kTab)
-      *k = nvfp4_scales256_tab(w.x + q * 256, *w.tables, w.scales + q * 16);
+      *k = nvfp4_scales256_tab<Given>(w.x + q * 256, *w.tables, w.scales + q * 16);
     else
       *f = nvfp4_scales256<D>(w.x + q * 256, w.sg, w.inv, w.scales + q * 16);
   };
@@ -125,7 +126,7 @@ static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const N
       nvfp4_elements256_tab(w.x + q * 256, w.k, w.scales + q * 16, *w.tables, w.out + q * 128);
     else
       nvfp4_elements256<D>(w.x + q * 256, w.f, w.out + q * 128);
-    nvfp4_zero_poisoned(w.scales + q * 16, w.out + q * 128);
+    if constexpr (Given) nvfp4_zero_poisoned(w.scales + q * 16, w.out + q * 128);
   };
   Row rows[kNvfp4Streams];
   for (int k = 0; k < n; ++k) {
@@ -188,9 +189,9 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
         rf[nf++] = row;
       }
       if constexpr (D == DType::bf16 && kNvfp4Tables) {
-        if (n > 0) nvfp4_row_group<D, true>(a, r, n, tab);
+        if (n > 0) (a.given_scale ? nvfp4_row_group<D, true, true> : nvfp4_row_group<D, true, false>)(a, r, n, tab);
       }
-      if (nf > 0) nvfp4_row_group<D, false>(a, rf, nf, tab);
+      if (nf > 0) (a.given_scale ? nvfp4_row_group<D, false, true> : nvfp4_row_group<D, false, false>)(a, rf, nf, tab);
     }
   }
   __m512i m[16];
