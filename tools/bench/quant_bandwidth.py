@@ -129,6 +129,22 @@ def _ml_dtypes_cast(x: torch.Tensor, fmt: str) -> Callable[[], object] | None:
     return lambda: np.copyto(dst, src, casting="unsafe")
 
 
+def native_call(
+    x: torch.Tensor, label: str, fmt: str, gran: str, rule: str | None, **extra: object
+) -> tuple[mq.QuantizedTensor, dict[str, object]]:
+    """A first result of one bench row on x (the `out=` buffer of the timed calls) and the
+    quantize() keywords of its timed calls. A label ending in "static" (NVFP4) passes the global
+    scale that first call computed, as a calibrated input_scale: same bits, no amax pass."""
+    stacked = x.dim() == 3 and gran in ("tensor", "1x16")
+    kw: dict[str, object] = {"granularity": gran, "scale_rule": rule, "stacked": stacked, **extra}
+    q = mq.quantize(x, fmt, **kw)  # type: ignore[arg-type]
+    if label.endswith("static"):
+        if fmt != "nvfp4":
+            raise ValueError(f"bench row {label!r}: a static row needs format 'nvfp4', not {fmt!r}")
+        kw["global_scale"] = q.global_scale
+    return q, kw
+
+
 def methods_for(
     x: torch.Tensor,
     label: str,
@@ -141,14 +157,10 @@ def methods_for(
     """The timed methods of one format on x: native per thread count, then the peers.
     A "static" label: NVFP4 with the global scale given (computed once beforehand, as a
     calibrated input_scale would be), for miles-quant and torchao alike."""
-    stacked = x.dim() == 3 and gran in ("tensor", "1x16")
     ms = []
-    q = mq.quantize(x, fmt, granularity=gran, scale_rule=rule, stacked=stacked)
+    q, kw = native_call(x, label, fmt, gran, rule)
     moved = x.nbytes + _nbytes(q)
-    kw = {"granularity": gran, "scale_rule": rule, "stacked": stacked}
-    static = label.endswith("static")
-    if static:
-        kw["global_scale"] = q.global_scale
+    static = "global_scale" in kw
     for t in threads:
         native = functools.partial(mq.quantize, x, fmt, threads=t, out=q, **kw)  # type: ignore[arg-type]
         ms.append(Method("native", t, native, moved))

@@ -29,19 +29,19 @@ import torch
 
 # The CPU bench beside this file (its directory is sys.path[0] when run as a script): the same
 # shapes, formats, timed-method record, byte count and torchao peers.
-from quant_bandwidth import FORMATS, SHAPES, Method, _nbytes, _torchao
+from quant_bandwidth import FORMATS, SHAPES, Method, _nbytes, _torchao, native_call
 
 import miles_quant as mq
 
 
-def methods_for(x: torch.Tensor, fmt: str, gran: str, rule: str | None) -> list[Method]:
-    stacked = x.dim() == 3 and gran in ("tensor", "1x16")
-    quantize = functools.partial(
-        mq.quantize, x, fmt, granularity=gran, scale_rule=rule, stacked=stacked
-    )
-    q = quantize(backend="native")
+def methods_for(x: torch.Tensor, label: str, fmt: str, gran: str, rule: str | None) -> list[Method]:
+    """The timed methods of one bench row on x (a "static" label: NVFP4 with its global scale
+    given, for miles-quant, its reference and torchao alike)."""
+    q, kw = native_call(x, label, fmt, gran, rule, backend="native")
+    static = "global_scale" in kw
+    quantize = functools.partial(mq.quantize, x, fmt, **kw)
     moved = x.nbytes + _nbytes(q)
-    ms = [Method("native", 1, functools.partial(quantize, backend="native", out=q), moved)]
+    ms = [Method("native", 1, functools.partial(quantize, out=q), moved)]
     ms.append(Method("reference", 1, functools.partial(quantize, backend="torch"), moved))
     el = mq.FORMATS[fmt].element
     if el is not None and el.torch_dtype is not None and fmt != "mxfp4":
@@ -52,7 +52,8 @@ def methods_for(x: torch.Tensor, fmt: str, gran: str, rule: str | None) -> list[
         mx, nvfp4, _ = ao
         x2 = x.reshape(-1, x.shape[-1])
         if fmt == "nvfp4":
-            fn: Callable[[], object] = functools.partial(nvfp4, x2)
+            given = ao[2](x2.abs().amax().float()) if static else None
+            fn: Callable[[], object] = functools.partial(nvfp4, x2, given)
         else:
             elem = torch.float4_e2m1fn_x2 if fmt == "mxfp4" else el.torch_dtype  # type: ignore[union-attr]
             fn = functools.partial(mx, x2, elem, rule or "floor")
@@ -74,7 +75,7 @@ def run_shape(shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, obj
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(shape, generator=g, device="cuda").to(torch.bfloat16)
     formats = [f for f in FORMATS if not args.formats or f[1] in args.formats]
-    per_format = {label: methods_for(x, f, gr, r) for label, f, gr, r in formats}
+    per_format = {label: methods_for(x, label, f, gr, r) for label, f, gr, r in formats}
     dst = torch.empty_like(x)
     copy = Method("copy", 1, functools.partial(dst.copy_, x), 2 * x.nbytes)
     everything = [copy] + [m for ms in per_format.values() for m in ms]

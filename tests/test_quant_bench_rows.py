@@ -1,0 +1,67 @@
+"""The quantizer benches time what their row labels say.
+
+tools/bench/quant_bandwidth.py (CPU) and tools/bench/quant_cuda_bandwidth.py (GPU) share one
+list of rows. Each row's timed native call must give the bits of a plain quantize() call, and a
+"static" NVFP4 row must hand quantize() the global scale (no amax pass), for both benches: the
+GPU bench once timed its static row as the dynamic call under the static label. The GPU bench's
+rows are built here on CPU tensors (its native method is `backend="native"` on whatever device
+the input is on); only the timing needs a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import miles_quant as mq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+import quant_bandwidth as cpu_bench
+import quant_cuda_bandwidth as gpu_bench
+
+
+def _assert_same(a: mq.QuantizedTensor, b: mq.QuantizedTensor) -> None:
+    for u, v in ((a.data, b.data), (a.scales, b.scales), (a.global_scale, b.global_scale)):
+        assert (u is None) == (v is None)
+        if v is not None:  # bits, so that equal NaN scales compare equal too
+            assert torch.equal(u.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+
+
+def _native(methods: list[cpu_bench.Method]) -> cpu_bench.Method:
+    return next(m for m in methods if m.name == "native")
+
+
+@pytest.mark.parametrize("shape", [(128, 512), (2, 64, 512)])
+@pytest.mark.parametrize("bench", ["cpu", "gpu"])
+@pytest.mark.parametrize("row", cpu_bench.FORMATS, ids=[r[0] for r in cpu_bench.FORMATS])
+def test_bench_row_times_what_its_label_says(
+    row: tuple[str, str, str, str | None], bench: str, shape: tuple[int, ...]
+) -> None:
+    label, fmt, gran, rule = row
+    if not mq.native_available():
+        pytest.skip("the benches time the native kernels; this build has none")
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    if bench == "cpu":
+        methods = cpu_bench.methods_for(x, label, fmt, gran, rule, [1], False)
+    else:
+        methods = gpu_bench.methods_for(x, label, fmt, gran, rule)
+    native = _native(methods)
+    stacked = x.dim() == 3 and gran in ("tensor", "1x16")
+    expected = mq.quantize(x, fmt, granularity=gran, scale_rule=rule, stacked=stacked)
+    got = native.fn()
+    assert isinstance(got, mq.QuantizedTensor)
+    _assert_same(got, expected)
+    keywords = native.fn.keywords  # type: ignore[attr-defined]
+    if label.endswith("static"):
+        assert torch.equal(keywords["global_scale"], expected.global_scale)
+    else:
+        assert "global_scale" not in keywords
+
+
+def test_a_static_row_of_another_format_is_refused() -> None:
+    x = torch.ones(16, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs format 'nvfp4'"):
+        cpu_bench.native_call(x, "mxfp4 static", "mxfp4", "1x32", "floor")
