@@ -140,6 +140,25 @@ def test_stacked_experts_get_their_own_scales(fmt: str, gran: str, rule: str | N
             assert torch.equal(bits(q.global_scale[e]), bits(alone.global_scale))
 
 
+@pytest.mark.parametrize(
+    ("fmt", "gran", "rule"), [c for c in CASES if c[1] == "128x128"], ids=lambda v: str(v)
+)
+@pytest.mark.parametrize(("dtype", "cols"), [(torch.bfloat16, 33100), (torch.float32, 16500)])
+def test_128x128_rows_wider_than_a_band_native_equals_reference(
+    fmt: str, gran: str, rule: str | None, dtype: torch.dtype, cols: int
+) -> None:
+    # The AVX-512 128x128 kernel takes a tile row in bands of at most 8 MiB of input (256 bf16
+    # or 128 fp32 tiles); wider rows are split into column chunks, each with its own two passes.
+    # A NaN poisons only its tile, in the second chunk.
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(130, cols, generator=g) * 3).to(dtype)
+    x[5, cols - 200] = float("nan")
+    q = _both(x, fmt, gran, rule)
+    nan_tile = (0, (cols - 200) // 128)
+    assert torch.isnan(q.scales[nan_tile]).item()
+    assert torch.isnan(q.scales).sum().item() == 1
+
+
 def test_nvfp4_every_tensor_amax_mantissa_native_equals_reference() -> None:
     # The AVX512-VBMI kernel picks its element tables by the global scale: one table for 118 of
     # the 128 mantissas a bf16 amax can have, 8 tables for the rest (avx512_nvfp4_tables.h).
