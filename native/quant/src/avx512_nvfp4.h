@@ -149,6 +149,45 @@ static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const N
   for (int k = 0; k < n; ++k) elements(rows[k], batches - 1);
 }
 
+// 16x16 tiles by the tables (bf16, VBMI): the whole 256-column batches of the 16 rows from r0
+// (one full tile row). Per batch: the 16 tiles' amaxes (|x| maxima over the 16 rows, reduced as
+// the 1x16 kernel reduces one row's blocks), their codes (repeated on the 16 rows' scales), then
+// each row's elements by the 1x16 element loop with those codes. Given: as nvfp4_row_group.
+#if defined(__AVX512VBMI__)
+template <bool Given>
+static void nvfp4_tile_row16_tab(const Nvfp4Args& a, int64_t r0, const Nvfp4Tables& t) {
+  const int64_t C = a.cols, nc = (C + 15) / 16, out_stride = (C + 1) / 2;
+  const auto* x = static_cast<const uint16_t*>(a.x) + r0 * C;
+  const __m512i abs = _mm512_set1_epi16(0x7FFF);
+  for (int64_t q = 0; q < C / 256; ++q) {
+    __m512i h[8];
+    for (int j = 0; j < 8; ++j) h[j] = _mm512_setzero_si512();
+    for (int64_t r = 0; r < 16; ++r) {
+      const uint16_t* p = x + r * C + q * 256;
+      prefetch_lines(reinterpret_cast<const char*>(p + 256), 0, 512);
+      for (int j = 0; j < 8; ++j) h[j] = _mm512_max_epu16(h[j], _mm512_and_si512(_mm512_loadu_si512(p + 32 * j), abs));
+    }
+    const __m512i h16 = block16_amax_halves(h);
+    __m512i code = nvfp4_block_codes_tab(h16, t);
+    if constexpr (Given)
+      code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(_mm512_and_si512(h16, simd::u32(0xFFFF)), simd::u32(0x7F80)),
+                                   simd::u32(E4M3::kNanCode));
+    const __m128i codes = _mm512_cvtepi32_epi8(code);
+    const __m512i kk = nvfp4_block_c(code, t);
+    for (int64_t r = 0; r < 16; ++r) {
+      uint8_t* sc = a.scales + (r0 + r) * nc + q * 16;
+      uint8_t* out = a.out + (r0 + r) * out_stride + q * 128;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(sc), codes);
+      nvfp4_elements256_tab(x + r * C + q * 256, kk, sc, t, out);
+      if constexpr (Given) nvfp4_zero_poisoned(sc, out);
+    }
+  }
+}
+#else
+template <bool Given>
+static void nvfp4_tile_row16_tab(const Nvfp4Args&, int64_t, const Nvfp4Tables&) {}
+#endif
+
 template <DType D>
 static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint32_t* gamax) {
   const auto* x = static_cast<const typename In<D>::T*>(a.x);
@@ -197,6 +236,10 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
   __m512i m[16];
   alignas(64) float factor[16];
   alignas(64) uint32_t codes[16];
+  // 16x16 (bf16, VBMI): the tables of the matrix the last tile row was in.
+  [[maybe_unused]] Nvfp4Tables tile_tables;
+  [[maybe_unused]] int64_t tile_matrix = -1;
+  [[maybe_unused]] bool tile_ok = false;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t b = t / nr, i = t % nr;
     const int64_t r0 = b * R + i * tr, r1 = b * R + lo(R, (i + 1) * tr);
@@ -209,7 +252,21 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
     }
     const __m512 sg = _mm512_set1_ps(a.global_scale[b]);
     const __m512 inv = _mm512_set1_ps(1.0f / a.global_scale[b]);
-    for (int64_t j0 = batched ? C / 256 * 16 : 0; j0 < nc; j0 += 16) {
+    int64_t jb = batched ? C / 256 * 16 : 0;  // the blocks the batched loops did not take
+    if constexpr (D == DType::bf16 && kNvfp4Tables) {
+      if (tr == 16 && r1 - r0 == 16 && C >= 256) {
+        if (tile_matrix != b) {
+          tile_matrix = b;
+          tile_ok = !a.given_scale || nvfp4_tables_cover(a.global_scale[b]);
+          if (tile_ok) nvfp4_build_tables(a.global_scale[b], &tile_tables);
+        }
+        if (tile_ok) {
+          (a.given_scale ? nvfp4_tile_row16_tab<true> : nvfp4_tile_row16_tab<false>)(a, r0, tile_tables);
+          jb = C / 256 * 16;
+        }
+      }
+    }
+    for (int64_t j0 = jb; j0 < nc; j0 += 16) {
       const int64_t nb = lo(16, nc - j0);
       for (int64_t k = 0; k < 16; ++k) m[k] = _mm512_setzero_si512();
       for (int64_t k = 0; k < nb; ++k) {
