@@ -7,7 +7,7 @@ thread, with a single-threaded memcpy of the same buffer (``dst.copy_(x)``) in t
 and prints ns per element and the ratio to memcpy in the bandwidth bench's byte count (bytes
 read plus written).
 
-    python tools/bench/quant_row_width.py                       # K = 128 ... 32768
+    python tools/bench/quant_row_width.py                       # K = 128 ... 18432
     python tools/bench/quant_row_width.py --cols 384 768 --repeat 9
 """
 

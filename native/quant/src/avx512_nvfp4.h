@@ -167,11 +167,7 @@ static void nvfp4_tile_row16_tab(const Nvfp4Args& a, int64_t r0, const Nvfp4Tabl
       prefetch_lines(reinterpret_cast<const char*>(p + 256), 0, 512);
       for (int j = 0; j < 8; ++j) h[j] = _mm512_max_epu16(h[j], _mm512_and_si512(_mm512_loadu_si512(p + 32 * j), abs));
     }
-    const __m512i h16 = block16_amax_halves(h);
-    __m512i code = nvfp4_block_codes_tab(h16, t);
-    if constexpr (Given)
-      code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(_mm512_and_si512(h16, simd::u32(0xFFFF)), simd::u32(0x7F80)),
-                                   simd::u32(E4M3::kNanCode));
+    const __m512i code = nvfp4_codes_tab<Given>(block16_amax_halves(h), t);
     const __m128i codes = _mm512_cvtepi32_epi8(code);
     const __m512i kk = nvfp4_block_c(code, t);
     for (int64_t r = 0; r < 16; ++r) {
@@ -188,6 +184,24 @@ template <bool Given>
 static void nvfp4_tile_row16_tab(const Nvfp4Args&, int64_t, const Nvfp4Tables&) {}
 #endif
 
+// The mantissa tables of one matrix at a time, rebuilt when the matrix changes. get(a, b): the
+// tables for matrix b, or nullptr when they do not hold for its global scale (a computed one
+// always is one the tables were proven for; a given one only when some bf16 tensor amax gives
+// it, nvfp4_tables_cover): the fp32 path then, same bits.
+struct Nvfp4MatrixTables {
+  Nvfp4Tables tables;
+  int64_t matrix = -1;
+  bool ok = false;
+  const Nvfp4Tables* get(const Nvfp4Args& a, int64_t b) {
+    if (matrix != b) {
+      matrix = b;
+      ok = !a.given_scale || nvfp4_tables_cover(a.global_scale[b]);
+      if (ok) nvfp4_build_tables(a.global_scale[b], &tables);
+    }
+    return ok ? &tables : nullptr;
+  }
+};
+
 template <DType D>
 static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint32_t* gamax) {
   const auto* x = static_cast<const typename In<D>::T*>(a.x);
@@ -198,10 +212,7 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
   // Stream k keeps the mantissa tables of the matrix its rows are in (rebuilt when that changes).
   const bool batched = tr == 1 && C >= 256;
   if (batched) {
-    Nvfp4Tables tables[kNvfp4Streams];
-    int64_t matrix[kNvfp4Streams];
-    bool tab_ok[kNvfp4Streams] = {};  // the tables hold for that matrix's global scale
-    for (int k = 0; k < kNvfp4Streams; ++k) matrix[k] = -1;
+    Nvfp4MatrixTables tables[kNvfp4Streams];
     const int64_t g = (t1 - t0 + kNvfp4Streams - 1) / kNvfp4Streams;
     for (int64_t i = 0; i < g; ++i) {
       int64_t r[kNvfp4Streams], rf[kNvfp4Streams];
@@ -211,17 +222,9 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
         const int64_t row = t0 + k * g + i;
         if (row >= t1 || is_poisoned(gamax[row / R])) continue;
         if constexpr (D == DType::bf16 && kNvfp4Tables) {
-          if (matrix[k] != row / R) {
-            matrix[k] = row / R;
-            const float s_g = a.global_scale[row / R];
-            // A computed global scale always is one the tables were proven for; a given one
-            // only when some bf16 tensor amax gives it (else the fp32 path, same bits).
-            tab_ok[k] = !a.given_scale || nvfp4_tables_cover(s_g);
-            if (tab_ok[k]) nvfp4_build_tables(s_g, &tables[k]);
-          }
-          if (tab_ok[k]) {
+          if (const Nvfp4Tables* t = tables[k].get(a, row / R)) {
             r[n] = row;
-            tab[n++] = &tables[k];
+            tab[n++] = t;
             continue;
           }
         }
@@ -236,10 +239,7 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
   __m512i m[16];
   alignas(64) float factor[16];
   alignas(64) uint32_t codes[16];
-  // 16x16 (bf16, VBMI): the tables of the matrix the last tile row was in.
-  [[maybe_unused]] Nvfp4Tables tile_tables;
-  [[maybe_unused]] int64_t tile_matrix = -1;
-  [[maybe_unused]] bool tile_ok = false;
+  [[maybe_unused]] Nvfp4MatrixTables tile_tables;  // 16x16 (bf16, VBMI)
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t b = t / nr, i = t % nr;
     const int64_t r0 = b * R + i * tr, r1 = b * R + lo(R, (i + 1) * tr);
@@ -255,13 +255,8 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
     int64_t jb = batched ? C / 256 * 16 : 0;  // the blocks the batched loops did not take
     if constexpr (D == DType::bf16 && kNvfp4Tables) {
       if (tr == 16 && r1 - r0 == 16 && C >= 256) {
-        if (tile_matrix != b) {
-          tile_matrix = b;
-          tile_ok = !a.given_scale || nvfp4_tables_cover(a.global_scale[b]);
-          if (tile_ok) nvfp4_build_tables(a.global_scale[b], &tile_tables);
-        }
-        if (tile_ok) {
-          (a.given_scale ? nvfp4_tile_row16_tab<true> : nvfp4_tile_row16_tab<false>)(a, r0, tile_tables);
+        if (const Nvfp4Tables* tt = tile_tables.get(a, b)) {
+          (a.given_scale ? nvfp4_tile_row16_tab<true> : nvfp4_tile_row16_tab<false>)(a, r0, *tt);
           jb = C / 256 * 16;
         }
       }

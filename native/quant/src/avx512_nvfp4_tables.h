@@ -160,22 +160,25 @@ static inline __m512i nvfp4_block_c(__m512i code, const Nvfp4Tables& t) {
   return _mm512_inserti32x4(_mm512_castsi128_si512(c), b, 1);
 }
 
+// nvfp4_block_codes_tab, and with Given (the global scale was given, Nvfp4Args::given_scale)
+// the NaN code 0x7F for a block holding a NaN or Inf; the caller writes its elements as +0
+// (nvfp4_zero_poisoned). With a computed scale no block of a matrix that is not poisoned can.
+template <bool Given>
+static inline __m512i nvfp4_codes_tab(__m512i h16, const Nvfp4Tables& t) {
+  const __m512i code = nvfp4_block_codes_tab(h16, t);
+  if constexpr (!Given) return code;
+  const __mmask16 poisoned = _mm512_cmpge_epu32_mask(_mm512_and_si512(h16, simd::u32(0xFFFF)), simd::u32(0x7F80));
+  return _mm512_mask_mov_epi32(code, poisoned, simd::u32(E4M3::kNanCode));
+}
+
 // The first half of a bf16 batch (nvfp4_scales256's, by the tables): its 16 block codes to
 // `scales`; returns their nvfp4_block_c.
-// Given: the global scale was given (Nvfp4Args::given_scale), so a block may hold a NaN or Inf;
-// with a computed one no block of a matrix that is not poisoned can.
 template <bool Given>
 static inline __m512i nvfp4_scales256_tab(const uint16_t* x, const Nvfp4Tables& t, uint8_t* scales) {
   prefetch_lines(reinterpret_cast<const char*>(x) + simd::kPrefetchAhead, 0, 512);
   __m512i h[8];
   for (int j = 0; j < 8; ++j) h[j] = _mm512_and_si512(_mm512_loadu_si512(x + 32 * j), _mm512_set1_epi16(0x7FFF));
-  const __m512i h16 = block16_amax_halves(h);
-  __m512i code = nvfp4_block_codes_tab(h16, t);
-  // A block holding a NaN or Inf gets the NaN code 0x7F; the caller writes its elements as +0
-  // (nvfp4_zero_poisoned).
-  if constexpr (Given)
-    code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(_mm512_and_si512(h16, simd::u32(0xFFFF)), simd::u32(0x7F80)),
-                                 simd::u32(E4M3::kNanCode));
+  const __m512i code = nvfp4_codes_tab<Given>(block16_amax_halves(h), t);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(code));
   return nvfp4_block_c(code, t);
 }
