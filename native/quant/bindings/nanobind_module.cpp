@@ -1,9 +1,10 @@
 // The one binding file: miles_quant._ext, a thin nanobind layer over the CPU kernels (cpu.h).
-// Buffers arrive through DLPack as contiguous CPU arrays; the Python wrapper (miles_quant._native)
-// allocates the outputs and checks dtypes and shapes, and this layer checks sizes again so a
-// wrong call raises ValueError instead of writing out of bounds. Compute runs without the GIL.
+// Each buffer arrives as two integers, the address and the size in bytes of a contiguous CPU
+// tensor (data_ptr() and nbytes): converting a torch tensor through DLPack costs about 2 us, more
+// than the work of a small call. The Python wrapper (miles_quant._native) allocates the outputs
+// and checks devices, dtypes, shapes and contiguity; this layer checks the sizes again so a wrong
+// call raises ValueError instead of writing out of bounds. Compute runs without the GIL.
 #include <nanobind/nanobind.h>
-#include <nanobind/ndarray.h>
 
 #include <cstdint>
 #include <stdexcept>
@@ -13,10 +14,6 @@
 
 namespace nb = nanobind;
 using namespace miles_quant;
-
-using Any = nb::ndarray<nb::c_contig, nb::device::cpu>;
-using U8 = nb::ndarray<uint8_t, nb::c_contig, nb::device::cpu>;
-using F32 = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
 
 namespace {
 
@@ -38,6 +35,14 @@ void expect(bool ok, const char* what) {
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// A buffer of `nbytes` bytes at `addr`, which must be `want` bytes (`what` names it in the error).
+template <class T = void>
+T* buffer(uintptr_t addr, int64_t nbytes, int64_t want, const char* what) {
+  if (nbytes != want) throw std::invalid_argument(std::string("miles_quant._ext: ") + what + " size");
+  expect(addr != 0 || want == 0, what);
+  return reinterpret_cast<T*>(addr);
+}
+
 }  // namespace
 
 NB_MODULE(_ext, m) {
@@ -47,66 +52,69 @@ NB_MODULE(_ext, m) {
 
   m.def(
       "encode",
-      [](F32 x, int elem, U8 out, int threads) {
-        expect(x.size() == out.size(), "encode: out must have one byte per input element");
+      [](uintptr_t x, int64_t n, int elem, uintptr_t out, int64_t out_nbytes, int threads) {
+        expect(n >= 0, "encode: bad size");
         const Elem e = to_elem(elem);
+        const float* xp = buffer<const float>(x, n * 4, n * 4, "encode: x");
+        uint8_t* op = buffer<uint8_t>(out, out_nbytes, n, "encode: out (one byte per input element)");
         nb::gil_scoped_release release;
-        cpu::encode_elements(x.data(), static_cast<int64_t>(x.size()), e, out.data(), threads);
+        cpu::encode_elements(xp, n, e, op, threads);
       },
-      nb::arg("x"), nb::arg("elem"), nb::arg("out"), nb::arg("threads"));
+      nb::arg("x"), nb::arg("n"), nb::arg("elem"), nb::arg("out"), nb::arg("out_nbytes"), nb::arg("threads"));
 
   m.def(
       "quantize_fp8",
-      [](Any x, int dtype, int64_t batch, int64_t rows, int64_t cols, int64_t tile_rows,
-         int64_t tile_cols, bool per_matrix, int elem, U8 out, F32 scales, int threads) {
+      [](uintptr_t x, int64_t x_nbytes, int dtype, int64_t batch, int64_t rows, int64_t cols, int64_t tile_rows,
+         int64_t tile_cols, bool per_matrix, int elem, uintptr_t out, int64_t out_nbytes, uintptr_t scales,
+         int64_t scales_nbytes, int threads) {
         const DType d = to_dtype(dtype);
         const Elem e = to_elem(elem);
         expect(e != Elem::e2m1, "quantize_fp8: element must be e4m3 or e5m2");
         expect(batch >= 0 && rows >= 0 && cols >= 0 && tile_rows > 0 && tile_cols > 0, "quantize_fp8: bad sizes");
         const int64_t n = batch * rows * cols;
-        expect(static_cast<int64_t>(x.nbytes()) == n * itemsize(d), "quantize_fp8: x size");
-        expect(static_cast<int64_t>(out.size()) == n, "quantize_fp8: out size");
         const int64_t n_scales = per_matrix ? batch : batch * cdiv(rows, tile_rows) * cdiv(cols, tile_cols);
-        expect(static_cast<int64_t>(scales.size()) == n_scales, "quantize_fp8: scales size");
-        Fp8Args a{x.data(), d, batch, rows, cols, tile_rows, tile_cols, per_matrix, e, out.data(), scales.data(),
-                  threads};
+        Fp8Args a{buffer<const void>(x, x_nbytes, n * itemsize(d), "quantize_fp8: x"), d, batch, rows, cols,
+                  tile_rows, tile_cols, per_matrix, e, buffer<uint8_t>(out, out_nbytes, n, "quantize_fp8: out"),
+                  buffer<float>(scales, scales_nbytes, 4 * n_scales, "quantize_fp8: scales"), threads};
         nb::gil_scoped_release release;
         cpu::quantize_fp8(a);
       },
-      nb::arg("x"), nb::arg("dtype"), nb::arg("batch"), nb::arg("rows"), nb::arg("cols"),
-      nb::arg("tile_rows"), nb::arg("tile_cols"), nb::arg("per_matrix"), nb::arg("elem"), nb::arg("out"), nb::arg("scales"),
-      nb::arg("threads"));
+      nb::arg("x"), nb::arg("x_nbytes"), nb::arg("dtype"), nb::arg("batch"), nb::arg("rows"), nb::arg("cols"),
+      nb::arg("tile_rows"), nb::arg("tile_cols"), nb::arg("per_matrix"), nb::arg("elem"), nb::arg("out"),
+      nb::arg("out_nbytes"), nb::arg("scales"), nb::arg("scales_nbytes"), nb::arg("threads"));
 
   m.def(
       "quantize_mx",
-      [](Any x, int dtype, int64_t rows, int64_t cols, int elem, int rule, U8 out, U8 scales, int threads) {
+      [](uintptr_t x, int64_t x_nbytes, int dtype, int64_t rows, int64_t cols, int elem, int rule, uintptr_t out,
+         int64_t out_nbytes, uintptr_t scales, int64_t scales_nbytes, int threads) {
         const DType d = to_dtype(dtype);
         const Elem e = to_elem(elem);
         expect(rule >= 0 && rule <= 2, "quantize_mx: rule must be 0 (floor), 1 (rceil), 2 (even)");
         expect(rows >= 0 && cols >= 0, "quantize_mx: bad sizes");
         const int64_t per_row = e == Elem::e2m1 ? cdiv(cols, 2) : cols;
-        expect(static_cast<int64_t>(x.nbytes()) == rows * cols * itemsize(d), "quantize_mx: x size");
-        expect(static_cast<int64_t>(out.size()) == rows * per_row, "quantize_mx: out size");
-        expect(static_cast<int64_t>(scales.size()) == rows * cdiv(cols, 32), "quantize_mx: scales size");
-        MxArgs a{x.data(), d, rows, cols, e, static_cast<ScaleRule>(rule), out.data(), scales.data(), threads};
+        MxArgs a{buffer<const void>(x, x_nbytes, rows * cols * itemsize(d), "quantize_mx: x"), d, rows, cols, e,
+                 static_cast<ScaleRule>(rule), buffer<uint8_t>(out, out_nbytes, rows * per_row, "quantize_mx: out"),
+                 buffer<uint8_t>(scales, scales_nbytes, rows * cdiv(cols, 32), "quantize_mx: scales"), threads};
         nb::gil_scoped_release release;
         cpu::quantize_mx(a);
       },
-      nb::arg("x"), nb::arg("dtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("elem"),
-      nb::arg("rule"), nb::arg("out"), nb::arg("scales"), nb::arg("threads"));
+      nb::arg("x"), nb::arg("x_nbytes"), nb::arg("dtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("elem"),
+      nb::arg("rule"), nb::arg("out"), nb::arg("out_nbytes"), nb::arg("scales"), nb::arg("scales_nbytes"),
+      nb::arg("threads"));
 
   m.def(
       "quantize_nvfp4",
-      [](Any x, int dtype, int64_t batch, int64_t rows, int64_t cols, bool tile16x16, U8 out, U8 scales,
-         F32 global_scale, int threads, bool given_scale) {
+      [](uintptr_t x, int64_t x_nbytes, int dtype, int64_t batch, int64_t rows, int64_t cols, bool tile16x16,
+         uintptr_t out, int64_t out_nbytes, uintptr_t scales, int64_t scales_nbytes, uintptr_t global_scale,
+         int64_t global_scale_nbytes, int threads, bool given_scale) {
         const DType d = to_dtype(dtype);
         expect(batch >= 0 && rows >= 0 && cols >= 0, "quantize_nvfp4: bad sizes");
-        expect(static_cast<int64_t>(x.nbytes()) == batch * rows * cols * itemsize(d), "quantize_nvfp4: x size");
-        expect(static_cast<int64_t>(out.size()) == batch * rows * cdiv(cols, 2), "quantize_nvfp4: out size");
-        expect(static_cast<int64_t>(scales.size()) == batch * rows * cdiv(cols, 16), "quantize_nvfp4: scales size");
-        expect(static_cast<int64_t>(global_scale.size()) == batch, "quantize_nvfp4: global_scale size");
-        Nvfp4Args a{x.data(), d, batch, rows, cols, tile16x16, out.data(), scales.data(), global_scale.data(), threads,
-                    given_scale};
+        Nvfp4Args a{buffer<const void>(x, x_nbytes, batch * rows * cols * itemsize(d), "quantize_nvfp4: x"), d,
+                    batch, rows, cols, tile16x16,
+                    buffer<uint8_t>(out, out_nbytes, batch * rows * cdiv(cols, 2), "quantize_nvfp4: out"),
+                    buffer<uint8_t>(scales, scales_nbytes, batch * rows * cdiv(cols, 16), "quantize_nvfp4: scales"),
+                    buffer<float>(global_scale, global_scale_nbytes, 4 * batch, "quantize_nvfp4: global_scale"),
+                    threads, given_scale};
         if (given_scale)
           for (int64_t b = 0; b < batch; ++b) {
             const uint32_t g = f32_bits(a.global_scale[b]);
@@ -115,25 +123,25 @@ NB_MODULE(_ext, m) {
         nb::gil_scoped_release release;
         cpu::quantize_nvfp4(a);
       },
-      nb::arg("x"), nb::arg("dtype"), nb::arg("batch"), nb::arg("rows"), nb::arg("cols"),
-      nb::arg("tile16x16"), nb::arg("out"), nb::arg("scales"), nb::arg("global_scale"), nb::arg("threads"),
-      nb::arg("given_scale") = false);
+      nb::arg("x"), nb::arg("x_nbytes"), nb::arg("dtype"), nb::arg("batch"), nb::arg("rows"), nb::arg("cols"),
+      nb::arg("tile16x16"), nb::arg("out"), nb::arg("out_nbytes"), nb::arg("scales"), nb::arg("scales_nbytes"),
+      nb::arg("global_scale"), nb::arg("global_scale_nbytes"), nb::arg("threads"), nb::arg("given_scale") = false);
 
   m.def(
       "quantize_int4",
-      [](Any x, int dtype, int64_t rows, int64_t cols, int64_t group, int scale_dtype, U8 out, Any scales,
-         int threads) {
+      [](uintptr_t x, int64_t x_nbytes, int dtype, int64_t rows, int64_t cols, int64_t group, int scale_dtype,
+         uintptr_t out, int64_t out_nbytes, uintptr_t scales, int64_t scales_nbytes, int threads) {
         const DType d = to_dtype(dtype);
         const DType sd = to_dtype(scale_dtype);
         expect(rows >= 0 && cols >= 0 && group > 0 && group <= 128, "quantize_int4: bad sizes");
-        expect(static_cast<int64_t>(x.nbytes()) == rows * cols * itemsize(d), "quantize_int4: x size");
-        expect(static_cast<int64_t>(out.size()) == rows * cdiv(cols, 2), "quantize_int4: out size");
-        expect(static_cast<int64_t>(scales.nbytes()) == rows * cdiv(cols, group) * itemsize(sd),
-               "quantize_int4: scales size");
-        Int4Args a{x.data(), d, rows, cols, group, sd, out.data(), scales.data(), threads};
+        Int4Args a{buffer<const void>(x, x_nbytes, rows * cols * itemsize(d), "quantize_int4: x"), d, rows, cols,
+                   group, sd, buffer<uint8_t>(out, out_nbytes, rows * cdiv(cols, 2), "quantize_int4: out"),
+                   buffer<void>(scales, scales_nbytes, rows * cdiv(cols, group) * itemsize(sd), "quantize_int4: scales"),
+                   threads};
         nb::gil_scoped_release release;
         cpu::quantize_int4(a);
       },
-      nb::arg("x"), nb::arg("dtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("group"),
-      nb::arg("scale_dtype"), nb::arg("out"), nb::arg("scales"), nb::arg("threads"));
+      nb::arg("x"), nb::arg("x_nbytes"), nb::arg("dtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("group"),
+      nb::arg("scale_dtype"), nb::arg("out"), nb::arg("out_nbytes"), nb::arg("scales"), nb::arg("scales_nbytes"),
+      nb::arg("threads"));
 }

@@ -165,7 +165,7 @@ def _layout(
         if gran == "tensor":
             s: tuple[int, ...] = (shape[0],) if stacked else ()
         elif gran == "channel":
-            s = (*lead, 1)
+            s = (*lead, 1 if k else 0)  # K = 0: no groups
         elif gran == "1x128":
             s = (*lead, _cdiv(k, 128))
         else:
@@ -314,38 +314,59 @@ def quantize(
     if fmt.family == "int4" and sd not in INPUT_DTYPES:
         raise ValueError(f"quantize: scale_dtype must be float32, bfloat16 or float16, got {sd}")
     shape = tuple(x.shape)
+    layout = _layout(fmt, gran, shape, stacked, sd)
     into: tuple[torch.Tensor, ...] | None = None
     if out is not None:
-        want = (format, shape, x.dtype, gran, rule, stacked)
-        into = _check_out(out, x, want, _layout(fmt, gran, shape, stacked, sd))
+        into = _check_out(out, x, (format, shape, x.dtype, gran, rule, stacked), layout)
 
     x = x.detach().contiguous()
-    native = _use_native(x, backend)
     k = shape[-1]
     lead = shape[:-1]
+    if fmt.family == "fp8" and gran == "128x128":
+        b, r = math.prod(shape[:-2]), shape[-2]
+    elif fmt.family in ("fp8", "nvfp4") and stacked:
+        b, r = shape[0], math.prod(shape[1:-1])
+    else:
+        b, r = 1, math.prod(lead)
+
+    if _use_native(x, backend):
+        # The kernels write into the buffers of the result (out's, or new ones in its layout).
+        if into is None:
+            bufs = [torch.empty(s, dtype=d, device=x.device) for s, d in filter(None, layout)]
+        else:
+            bufs = list(into)
+        data, scales = bufs[0], bufs[1]
+        gscale = bufs[2] if len(bufs) > 2 else None
+        if fmt.family == "fp8":
+            assert fmt.element is not None
+            tile = fp8_tile(gran, r, k)
+            _native.fp8(x, (b, r, k), fmt.element, tile, gran == "tensor", data, scales, threads)
+        elif fmt.family == "mx":
+            assert fmt.element is not None
+            assert rule is not None
+            _native.mx(x, b * r, fmt.element, rule, data, scales, threads)
+        elif fmt.family == "nvfp4":
+            assert gscale is not None
+            if given_sg is not None:  # a () scale goes to every expert; gscale may be given_sg
+                gscale.copy_(given_sg)
+            _native.nvfp4(
+                x, (b, r, k), gran == "16x16", data, scales, gscale, given_sg is not None, threads
+            )
+        else:
+            _native.int4(x, b * r, fmt.group, data, scales, threads)
+        return QuantizedTensor(data, scales, format, shape, x.dtype, gran, rule, gscale, stacked)
 
     def make(
-        data: torch.Tensor,
-        scales: torch.Tensor,
-        *,
-        scale_rule: str | None = None,
-        global_scale: torch.Tensor | None = None,
+        data: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None = None
     ) -> QuantizedTensor:
-        if out is not None:
-            # The native kernels wrote into out's buffers; the reference's results are copied.
-            for dst, src in ((out.data, data), (out.scales, scales)):
-                if dst.data_ptr() != src.data_ptr():
-                    dst.copy_(src)
-            og = out.global_scale
-            if (
-                og is not None
-                and global_scale is not None
-                and og.data_ptr() != global_scale.data_ptr()
-            ):
-                og.copy_(global_scale)
+        if out is not None:  # the reference's results into out's buffers
+            out.data.copy_(data)
+            out.scales.copy_(scales)
+            if out.global_scale is not None and global_scale is not None:
+                out.global_scale.copy_(global_scale)
             data, scales, global_scale = out.data, out.scales, out.global_scale
         return QuantizedTensor(
-            data, scales, format, shape, x.dtype, gran, scale_rule, global_scale, stacked
+            data, scales, format, shape, x.dtype, gran, rule, global_scale, stacked
         )
 
     if fmt.family == "fp8":
@@ -353,66 +374,36 @@ def quantize(
         assert el is not None
         assert el.torch_dtype is not None
         per_matrix = gran == "tensor"
-        if gran == "128x128":
-            b, r = math.prod(shape[:-2]), shape[-2]
-        elif per_matrix and stacked:
-            b, r = shape[0], math.prod(shape[1:-1])
-        else:
-            b, r = 1, math.prod(lead)
-        x3 = x.reshape(b, r, k)
-        tile = fp8_tile(gran, r, k)
-        if native:
-            codes, s = _native.fp8(x3, el, tile, per_matrix, threads, into)
-        else:
-            codes, s = _reference.fp8(x3, el, tile, per_matrix)
+        codes, s = _reference.fp8(x.reshape(b, r, k), el, fp8_tile(gran, r, k), per_matrix)
         if per_matrix:
             scales = s.reshape(b) if stacked else s.reshape(())
         elif gran == "128x128":
             scales = s.reshape(*shape[:-2], *s.shape[1:])
         else:
             scales = s.reshape(*lead, s.shape[-1])
-        data = codes.view(el.torch_dtype).reshape(shape)
-        return make(data, scales)
+        return make(codes.view(el.torch_dtype).reshape(shape), scales)
 
     if fmt.family == "mx":
         el = fmt.element
         assert el is not None
         assert rule is not None
-        x2 = x.reshape(math.prod(lead), k)
-        if native:
-            d, s = _native.mx(x2, el, rule, threads, into)
-        else:
-            d, s = _reference.mx(x2, el, rule)
+        d, s = _reference.mx(x.reshape(b * r, k), el, rule)
         data = d.reshape(*lead, d.shape[-1])
         if el.torch_dtype is not None:
             data = data.view(el.torch_dtype)
-        scales = s.reshape(*lead, s.shape[-1]).view(torch.float8_e8m0fnu)
-        return make(data, scales, scale_rule=rule)
+        return make(data, s.reshape(*lead, s.shape[-1]).view(torch.float8_e8m0fnu))
 
     if fmt.family == "nvfp4":
-        b, r = (shape[0], math.prod(shape[1:-1])) if stacked else (1, math.prod(lead))
-        x3 = x.reshape(b, r, k)
-        tile16 = gran == "16x16"
         # A copy: the caller may pass out.global_scale itself (out=q, global_scale=q.global_scale).
         gs = None if given_sg is None else given_sg.expand(b).clone()
-        if native:
-            d, s, g = _native.nvfp4(x3, tile16, threads, into, gs)
-        else:
-            d, s, g = _reference.nvfp4(x3, tile16, gs)
+        d, s, g = _reference.nvfp4(x.reshape(b, r, k), gran == "16x16", gs)
         data = d.reshape(*lead, d.shape[-1])
         scales = s.reshape(*lead, s.shape[-1]).view(torch.float8_e4m3fn)
-        gscale = g.reshape(b) if stacked else g.reshape(())
-        return make(data, scales, global_scale=gscale)
+        return make(data, scales, g.reshape(b) if stacked else g.reshape(()))
 
     assert fmt.family == "int4"
-    x2 = x.reshape(math.prod(lead), k)
-    if native:
-        d, s = _native.int4(x2, fmt.group, sd, threads, into)
-    else:
-        d, s = _reference.int4(x2, fmt.group, sd)
-    data = d.reshape(*lead, d.shape[-1])
-    scales = s.reshape(*lead, s.shape[-1])
-    return make(data, scales)
+    d, s = _reference.int4(x.reshape(b * r, k), fmt.group, sd)
+    return make(d.reshape(*lead, d.shape[-1]), s.reshape(*lead, s.shape[-1]))
 
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -4,9 +4,9 @@ miles_quant._ext holds the CPU kernels; miles_quant._ext_cuda the CUDA kernels (
 with -Ccmake.define.MILES_QUANT_CUDA=ON). Importing this module never fails and never touches
 CUDA: _ext_cuda is imported on the first CUDA tensor. Without _ext (not built, or disabled
 with MILES_QUANT_DISABLE_NATIVE=1) `available()` is False, `error()` says why, and the API
-uses the PyTorch reference. Each wrapper allocates its outputs on the input's device in the
-layout of the reference functions (miles_quant._reference), or writes into the caller's
-buffers (`into`, from quantize's `out=`, checked by the API), and hands the buffers over.
+uses the PyTorch reference. Each wrapper writes into output buffers the caller allocated (in
+the layout miles_quant.quantize returns: any shape of the right size, contiguous, on the input's
+device).
 """
 
 from __future__ import annotations
@@ -85,118 +85,102 @@ def _mod(x: torch.Tensor, threads: int | None) -> tuple[ModuleType, int]:
     return _ext, _threads(threads)
 
 
-def _raw(x: torch.Tensor) -> torch.Tensor:
-    """The input buffer as a DLPack-friendly tensor of the same element size."""
-    return x.view(torch.int16) if x.element_size() == 2 else x
-
-
 def _threads(threads: int | None) -> int:
     return torch.get_num_threads() if threads is None else int(threads)
 
 
-def _buffers(
-    x: torch.Tensor,
-    given: tuple[torch.Tensor, ...] | None,
-    layout: list[tuple[tuple[int, ...], torch.dtype]],
-) -> list[torch.Tensor]:
-    """The output buffers of a kernel: new ones, or views of the caller's (`given`, one per
-    layout entry, any shape of the same number of elements; the API has checked them)."""
-    if given is None:
-        return [torch.empty(shape, dtype=dt, device=x.device) for shape, dt in layout]
-    assert len(given) == len(layout)
-    return [t.view(dt).view(shape) for t, (shape, dt) in zip(given, layout, strict=True)]
+# The kernels take each buffer as its address and size in bytes (t.data_ptr(), t.nbytes): a
+# DLPack conversion costs about 2 us a tensor, more than the work of a small call. The callers
+# (miles_quant.quantize) pass contiguous tensors on the kernels' device whose sizes match the
+# layout; the binding checks the sizes again and raises ValueError on a mismatch.
 
 
 def encode(x: torch.Tensor, el: Element, threads: int | None = None) -> torch.Tensor:
     """Raw element cast of a contiguous fp32 CPU tensor; uint8 codes of the same shape."""
     assert x.device.type == "cpu", "the raw element cast runs on CPU tensors"
+    assert x.dtype == torch.float32, "encode takes float32"
+    assert x.is_contiguous(), "encode takes a contiguous tensor"
     mod, last = _mod(x, threads)
     out = torch.empty(x.shape, dtype=torch.uint8)
-    mod.encode(x.reshape(-1), el.code, out.reshape(-1), last)
+    mod.encode(x.data_ptr(), x.numel(), el.code, out.data_ptr(), out.nbytes, last)
     return out
 
 
 def fp8(
     x: torch.Tensor,
+    dims: tuple[int, int, int],
     el: Element,
     tile: tuple[int, int],
     per_matrix: bool,
+    out: torch.Tensor,
+    scales: torch.Tensor,
     threads: int | None = None,
-    into: tuple[torch.Tensor, ...] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    b, r, c = x.shape
+) -> None:
+    """x as [b, r, c] = dims; out: its codes (one byte each), scales: fp32, one per matrix
+    (per_matrix) or per tile (b * ceil(r / tile[0]) * ceil(c / tile[1]), row-major)."""
+    b, r, c = dims
     mod, last = _mod(x, threads)
     tr, tc = (max(r, 1), max(c, 1)) if per_matrix else tile
-    n_scales = (b,) if per_matrix else (b, -(-r // tr), -(-c // tc))
-    out, scales = _buffers(x, into, [((b, r, c), torch.uint8), (n_scales, torch.float32)])
     mod.quantize_fp8(
-        _raw(x), DTYPE_CODES[x.dtype], b, r, c, tr, tc, per_matrix, el.code, out, scales, last
-    )
-    return out, scales
+        x.data_ptr(), x.nbytes, DTYPE_CODES[x.dtype], b, r, c, tr, tc, per_matrix, el.code,
+        out.data_ptr(), out.nbytes, scales.data_ptr(), scales.nbytes, last,
+    )  # fmt: skip
 
 
 def mx(
     x: torch.Tensor,
+    rows: int,
     el: Element,
     rule: str,
+    out: torch.Tensor,
+    scales: torch.Tensor,
     threads: int | None = None,
-    into: tuple[torch.Tensor, ...] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, c = x.shape
+) -> None:
+    """x as [rows, K]; out: [rows, K] codes (FP8 elements) or [rows, ceil(K / 2)] bytes
+    (E2M1), scales: [rows, ceil(K / 32)] E8M0 bytes."""
+    c = x.shape[-1]
     mod, last = _mod(x, threads)
-    per_row = (c + 1) // 2 if el.torch_dtype is None else c
-    out, scales = _buffers(
-        x, into, [((rows, per_row), torch.uint8), ((rows, -(-c // 32)), torch.uint8)]
-    )
     mod.quantize_mx(
-        _raw(x), DTYPE_CODES[x.dtype], rows, c, el.code, SCALE_RULE_CODES[rule], out, scales, last
-    )
-    return out, scales
+        x.data_ptr(), x.nbytes, DTYPE_CODES[x.dtype], rows, c, el.code, SCALE_RULE_CODES[rule],
+        out.data_ptr(), out.nbytes, scales.data_ptr(), scales.nbytes, last,
+    )  # fmt: skip
 
 
 def nvfp4(
     x: torch.Tensor,
+    dims: tuple[int, int, int],
     tile16x16: bool,
+    out: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
+    given: bool,
     threads: int | None = None,
-    into: tuple[torch.Tensor, ...] | None = None,
-    global_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """global_scale: fp32 [b] on x's device, normal and positive (checked by the API): used
-    instead of each matrix's amax (no amax pass; blocks with NaN / Inf are poisoned alone)."""
-    b, r, c = x.shape
+) -> None:
+    """x as [b, r, c] = dims; out: [b, r, ceil(c / 2)] bytes, scales: [b, r, ceil(c / 16)]
+    E4M3 bytes, global_scale: fp32 [b], written by the kernel, or with `given` read by it (normal
+    and positive, checked by the API: no amax pass, blocks with NaN / Inf poisoned alone)."""
+    b, r, c = dims
     mod, last = _mod(x, threads)
-    out, scales, gscale = _buffers(
-        x,
-        into,
-        [
-            ((b, r, (c + 1) // 2), torch.uint8),
-            ((b, r, -(-c // 16)), torch.uint8),
-            ((b,), torch.float32),
-        ],
-    )
-    given = global_scale is not None
-    if global_scale is not None:
-        gscale.copy_(global_scale)
     mod.quantize_nvfp4(
-        _raw(x), DTYPE_CODES[x.dtype], b, r, c, tile16x16, out, scales, gscale, last, given
-    )
-    return out, scales, gscale
+        x.data_ptr(), x.nbytes, DTYPE_CODES[x.dtype], b, r, c, tile16x16, out.data_ptr(),
+        out.nbytes, scales.data_ptr(), scales.nbytes, global_scale.data_ptr(),
+        global_scale.nbytes, last, given,
+    )  # fmt: skip
 
 
 def int4(
     x: torch.Tensor,
+    rows: int,
     group: int,
-    scale_dtype: torch.dtype,
+    out: torch.Tensor,
+    scales: torch.Tensor,
     threads: int | None = None,
-    into: tuple[torch.Tensor, ...] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, c = x.shape
+) -> None:
+    """x as [rows, K]; out: [rows, ceil(K / 2)] bytes, scales: [rows, ceil(K / group)] in
+    scales.dtype (float32, bfloat16 or float16)."""
+    c = x.shape[-1]
     mod, last = _mod(x, threads)
-    out, scales = _buffers(
-        x, into, [((rows, (c + 1) // 2), torch.uint8), ((rows, -(-c // group)), scale_dtype)]
-    )
     mod.quantize_int4(
-        _raw(x), DTYPE_CODES[x.dtype], rows, c, group, DTYPE_CODES[scale_dtype], out,
-        _raw(scales), last,
+        x.data_ptr(), x.nbytes, DTYPE_CODES[x.dtype], rows, c, group, DTYPE_CODES[scales.dtype],
+        out.data_ptr(), out.nbytes, scales.data_ptr(), scales.nbytes, last,
     )  # fmt: skip
-    return out, scales
