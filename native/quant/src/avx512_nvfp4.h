@@ -153,6 +153,13 @@ static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const N
 // (one full tile row). Per batch: the 16 tiles' amaxes (|x| maxima over the 16 rows, reduced as
 // the 1x16 kernel reduces one row's blocks), their codes (repeated on the 16 rows' scales), then
 // each row's elements by the 1x16 element loop with those codes. Given: as nvfp4_row_group.
+// The tile rows' prefetch: each of the 16 rows' lines two batches (1 KiB) ahead, into L2
+// (prefetcht1). One batch ahead into L1 (prefetcht0), as the 1x16 kernel does for its two
+// streams, left 16 rows of misses waiting: 8192x7168 0.29-0.32 -> 0.24-0.26 ns per element;
+// one batch ahead into L2, three batches, prefetcht2, or whole 1 KiB runs every other batch were
+// no better (docs/benchmarks.md, "NVFP4 16x16 tiles by the tables").
+constexpr int64_t kTileRowAhead = 512;  // elements
+
 #if defined(__AVX512VBMI__)
 template <bool Given>
 static void nvfp4_tile_row16_tab(const Nvfp4Args& a, int64_t r0, const Nvfp4Tables& t) {
@@ -164,7 +171,7 @@ static void nvfp4_tile_row16_tab(const Nvfp4Args& a, int64_t r0, const Nvfp4Tabl
     for (int j = 0; j < 8; ++j) h[j] = _mm512_setzero_si512();
     for (int64_t r = 0; r < 16; ++r) {
       const uint16_t* p = x + r * C + q * 256;
-      prefetch_lines(reinterpret_cast<const char*>(p + 256), 0, 512);
+      for (int64_t b = 0; b < 512; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kTileRowAhead) + b, _MM_HINT_T1);
       for (int j = 0; j < 8; ++j) h[j] = _mm512_max_epu16(h[j], _mm512_and_si512(_mm512_loadu_si512(p + 32 * j), abs));
     }
     const __m512i code = nvfp4_codes_tab<Given>(block16_amax_halves(h), t);
