@@ -2,7 +2,7 @@
 // elements (mx4_elements512_bf16_b, mx8_elements512_bf16_b) and the E2M1 grid they share with
 // the NVFP4 mantissa tables (avx512_nvfp4_tables.h). Need AVX512-VBMI (vpermi2b, vpermb);
 // included by avx512_mx.h inside namespace miles_quant::cpu::MQ_CPU_NS, before the MX
-// kernels. Without VBMI, kMxBytes is false and the 16-bit paths (mx4/mx8_elements512_bf16_h) run
+// kernels. Without VBMI, kMxBytes is false and the 16-bit paths (mx4/mx8_elements512_h) run
 // instead. Every routine gathers the low bytes (exponent bit 0 and the 7 mantissa bits m) and the
 // high bytes (sign, exponent bits 7..1) of 64 inputs with two vpermt2b, then works on the
 // exponent field e = 2 * (high & 0x7F) + (low >> 7) and on m.
@@ -16,7 +16,7 @@
 // MX scaling. A block's E8M0 code `code` scales by the power of two 2^(127 - code), so a normal
 // bf16 x = (1 + m/128) * 2^(e - 127) scales to (1 + m/128) * 2^(e - code) exactly.
 //
-// MXFP4 (why mx4_elements512_bf16_b gives mx_elements512_bf16's bytes): p = 1 + m/128 (its class
+// MXFP4 (why mx4_elements512_bf16_b gives mx_elements512_16's bytes): p = 1 + m/128 (its class
 // depends on m alone: 0 | 1..32 | 33..63 | 64..95 | 96..127, one static 128-byte table kMx4Class
 // holds 11 * class) and b = e - code. So w = min(e -sat (code - 5), 8), one saturating byte
 // subtraction and one vpminub, for every code >= 5 (kMx4BytesMinCode): then a zero or subnormal x
@@ -101,7 +101,7 @@ alignas(64) static constexpr MxRound<F> kMxRound = mx_round<F>();
 constexpr bool kMxBytes = true;
 
 // MXFP4 elements of 16 whole bf16 blocks (512 inputs) of E8M0 codes `code` (lane k: block k's,
-// every one >= kMx4BytesMinCode, none poisoned), packed: the bytes of mx_elements512_bf16.
+// every one >= kMx4BytesMinCode, none poisoned), packed: the bytes of mx_elements512_16.
 static inline void mx4_elements512_bf16_b(const uint16_t* x, __m512i code, uint8_t* out) {
   const __m512i grid = _mm512_load_si512(kE2m1Grid11.g);
   const __m512i cls0 = _mm512_load_si512(kMx4Class.t), cls1 = _mm512_load_si512(kMx4Class.t + 64);
@@ -126,7 +126,7 @@ static inline void mx4_elements512_bf16_b(const uint16_t* x, __m512i code, uint8
 
 // MXFP8 elements (F = E4M3 or E5M2) of 16 whole bf16 blocks (512 inputs) of E8M0 codes `code`
 // (lane k: block k's, every one >= kMx16MinCode<F>, none poisoned) and their inverses `mul`
-// (e8m0_inverses): the bytes of mx_elements512_bf16.
+// (e8m0_inverses): the bytes of mx_elements512_16.
 template <class F>
 static inline void mx8_elements512_bf16_b(const uint16_t* x, __m512i code, __m512 mul, uint8_t* out) {
   constexpr int kM = F::kMbits;

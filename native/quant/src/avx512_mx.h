@@ -67,21 +67,21 @@ static inline __m512 e8m0_inverses(__m512i code) {
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(v, _mm512_cmpge_epu32_mask(code, simd::u32(254)), simd::u32(0x00400000u)));
 }
 
-// The elements of 16 whole bf16 blocks scaled by mul (lane k: block k's 2^-e), 32 inputs (one
-// block) at a time, split into even and odd elements (two instructions for 32 exact widenings,
-// see load_bf16_pairs); the codes interleave back lane by lane: byte pairs for FP8 elements,
-// nibble pairs for E2M1 (encoded by e2m1_magnitude, 7 operations instead of encode's 13).
-// Branch-free: a poisoned block's codes are overwritten, so that the compiler keeps every
+// The elements of 16 whole blocks of 16-bit inputs (D: bf16 or fp16) scaled by mul (lane k:
+// block k's 2^-e), 32 inputs (one block) at a time, split into even and odd elements (exact
+// widenings, see load_bf16_pairs); the codes interleave back lane by lane: byte pairs for FP8
+// elements, nibble pairs for E2M1 (encoded by e2m1_magnitude, 7 operations instead of encode's
+// 13). Branch-free: a poisoned block's codes are overwritten, so that the compiler keeps every
 // constant of the encodes in registers across the loop (a branch per block made GCC rebuild
-// them per block). Used for batches with a code below kMx16MinCode (the 16-bit paths take the
-// rest), and as those paths' reference in tools/bench/quant_mx_16bit_probe.cpp.
-template <class F, bool kAnyPoisoned>
-static inline void mx_elements512_bf16(const uint16_t* x, __m512 mul, simd::Mask poisoned, uint8_t* out) {
+// them per block). Used for bf16 batches with a code below kMx16MinCode (the 16-bit paths take
+// the rest), and as those paths' reference in tools/bench/quant_mx_16bit_probe.cpp.
+template <DType D, class F, bool kAnyPoisoned>
+static inline void mx_elements512_16(const uint16_t* x, __m512 mul, simd::Mask poisoned, uint8_t* out) {
   constexpr bool kPacked = F::kEbits + F::kMbits == 3;
   for (int k = 0; k < 16; ++k) {
     const __m512 f = simd::lane(mul, k);
     __m512 even, odd;
-    simd::load_bf16_pairs(x + 32 * k, &even, &odd);
+    simd::load_pairs<D>(x + 32 * k, &even, &odd);
     even = _mm512_mul_ps(even, f);
     odd = _mm512_mul_ps(odd, f);
     __m512i w;
@@ -104,11 +104,24 @@ static inline void mx_elements512_bf16(const uint16_t* x, __m512 mul, simd::Mask
   }
 }
 
-// The 16-bit MX paths' scaling: per block, 127 - code in the bf16 exponent field's position,
-// in both 16-bit halves of lane k (mx16_deltas); then |x| * 2^(127 - code) of 32 bf16 inputs as
-// bits, by adding it to the exponent field of every non-zero |x| (mx16_scaled).
+// The fields of the 16-bit inputs the 16-bit MX paths take: bf16 (8 exponent bits, 7 mantissa
+// bits, bias 127) and fp16 (5, 10, 15).
+template <DType D>
+struct Half16 {
+  static_assert(D == DType::bf16 || D == DType::f16, "16-bit inputs");
+  static constexpr int kMbits = D == DType::bf16 ? 7 : 10;
+  static constexpr int kBias = D == DType::bf16 ? 127 : 15;
+};
+
+// The 16-bit MX paths' scaling: per block, 127 - code in the exponent field's position, in both
+// 16-bit halves of lane k (mx16_deltas); then |x| * 2^(127 - code) of 32 inputs as bits, by
+// adding it to the exponent field of every non-zero |x| (mx16_scaled). For fp16 inputs 127 -
+// code is -14..32 (a block's code lies in 88..142 for any finite fp16 amax), so the shifted
+// delta fits 16 bits, and for a normal input of the block the sum stays below the Inf field.
+template <DType D>
 static inline __m512i mx16_deltas(__m512i code) {
-  const __m512i delta = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(simd::u32(127), code), 7), simd::u32(0xFFFF));
+  const __m512i delta =
+      _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(simd::u32(127), code), Half16<D>::kMbits), simd::u32(0xFFFF));
   return _mm512_or_si512(delta, _mm512_slli_epi32(delta, 16));
 }
 static inline __m512i mx16_scaled(__m512i v, __m512i deltas, int k) {
@@ -117,59 +130,88 @@ static inline __m512i mx16_scaled(__m512i v, __m512i deltas, int k) {
   return _mm512_mask_add_epi16(u, _mm512_test_epi16_mask(u, u), u, dk);
 }
 
-// MXFP4 elements of 16 whole bf16 blocks on 16-bit lanes, 32 inputs per instruction instead of
-// 16. For E8M0 codes of at least 3 it gives mx_elements512_bf16's bytes exactly (every non-NaN,
-// non-Inf bf16 input whose scaled magnitude is below 2^(emax + 1) = 8, as every input of a block
-// is under every scale rule, against every code 3..254: tools/bench/quant_mx_16bit_probe.cpp):
-// - |x| * 2^(127 - code) is an exact power-of-two scaling, so it is an addition to the bf16
-//   exponent field; a result below the normal range (a negative or small field) and a bf16
-//   subnormal input (whose "exponent" the addition makes up) both stand for a magnitude below
-//   2^(1 - code) <= 0.25, which encodes to 0 either way (the compares below are signed, so an
-//   underflowed field reads as below 0.25); zeros are left alone.
+// fp16 subnormal inputs among 32 (their "exponent field" is no power of two: the addition above
+// would make one up); none for bf16, whose 16-bit paths run only for codes that send its
+// subnormals to 0.
+template <DType D>
+static inline __mmask32 mx16_subnormal_inputs(__m512i v) {
+  if constexpr (D == DType::bf16) return 0;
+  const __m512i u = _mm512_and_si512(v, simd::u32(0x7FFF7FFFu));
+  return _mm512_test_epi16_mask(u, u) & _mm512_cmplt_epu16_mask(u, _mm512_set1_epi16(0x400));
+}
+
+// MXFP4 elements of 16 whole blocks of 16-bit inputs (bf16 or fp16) on 16-bit lanes, 32 inputs
+// per instruction instead of 16. It gives mx_elements512_16's bytes exactly (every non-NaN,
+// non-Inf input whose scaled magnitude is below 2^(emax + 1) = 8, as every input of a block is
+// under every scale rule; for bf16 every code 3..254, for fp16 every code a block can have:
+// tools/bench/quant_mx_16bit_probe.cpp):
+// - |x| * 2^(127 - code) is an exact power-of-two scaling, so it is an addition to the
+//   exponent field; a result below the normal range (a negative or small field) stands for a
+//   magnitude below 2^-14 (fp16) or 2^(1 - code) <= 0.25 (bf16, code >= 3, where a subnormal
+//   input's made-up exponent lands there too), which encodes to 0 either way (the compares
+//   below are signed, so an underflowed field reads as below 0.25); zeros are left alone. A
+//   vector holding an fp16 subnormal input is encoded by the fp32 path instead.
 // - From 1.0 up: the integer RNE onto one mantissa bit (E2M1 bias 1), saturated at code 7 (6.0).
 // - Below 1.0: 0.5 (code 1) above 0.25, 1.0 (code 2) from 0.75, ties to even.
 // Poisoned blocks get zero bytes (E2M1 has no NaN: the contract's +0), like the fp32 path.
-static inline void mx4_elements512_bf16_h(const uint16_t* x, __m512i code, simd::Mask poisoned, uint8_t* out) {
-  const __m512i d16 = mx16_deltas(code);
+template <DType D>
+static inline void mx4_elements512_h(const uint16_t* x, __m512i code, __m512 mul, simd::Mask poisoned, uint8_t* out) {
+  constexpr int kM = Half16<D>::kMbits, kB = Half16<D>::kBias, kShift = kM - 1;
+  constexpr int kQuarter = (kB - 2) << kM, kThreeQuarters = ((kB - 1) << kM) | (1 << (kM - 1)), kOne = kB << kM;
+  const __m512i d16 = mx16_deltas<D>(code);
   const __m512i one = _mm512_set1_epi16(1);
-  const __m512i bias = _mm512_set1_epi16(static_cast<short>(31 - (126 << 7)));  // half - 1, rebias
+  const __m512i bias = _mm512_set1_epi16(static_cast<short>(((1 << (kShift - 1)) - 1) - ((kB - 1) << kM)));
   for (int k = 0; k < 16; ++k) {
     const __m512i v = _mm512_loadu_si512(x + 32 * k);
     const __m512i r = mx16_scaled(v, d16, k);
-    __m512i cn = _mm512_add_epi16(_mm512_add_epi16(r, bias), _mm512_and_si512(_mm512_srli_epi16(r, 6), one));
-    cn = _mm512_min_epu16(_mm512_srli_epi16(cn, 6), _mm512_set1_epi16(7));
-    const __mmask32 half = _mm512_cmpgt_epi16_mask(r, _mm512_set1_epi16(0x3E80));   // > 0.25
-    const __mmask32 whole = _mm512_cmpge_epi16_mask(r, _mm512_set1_epi16(0x3F40));  // >= 0.75
+    __m512i cn = _mm512_add_epi16(_mm512_add_epi16(r, bias), _mm512_and_si512(_mm512_srli_epi16(r, kShift), one));
+    cn = _mm512_min_epu16(_mm512_srli_epi16(cn, kShift), _mm512_set1_epi16(7));
+    const __mmask32 half = _mm512_cmpgt_epi16_mask(r, _mm512_set1_epi16(kQuarter));             // > 0.25
+    const __mmask32 whole = _mm512_cmpge_epi16_mask(r, _mm512_set1_epi16(kThreeQuarters));      // >= 0.75
     const __m512i cs = _mm512_maskz_mov_epi16(half, one);
     __m512i c = _mm512_mask_add_epi16(cs, whole, cs, one);
-    c = _mm512_mask_mov_epi16(c, _mm512_cmpge_epi16_mask(r, _mm512_set1_epi16(0x3F80)), cn);
+    c = _mm512_mask_mov_epi16(c, _mm512_cmpge_epi16_mask(r, _mm512_set1_epi16(kOne)), cn);
     c = _mm512_ternarylogic_epi32(c, _mm512_srli_epi16(v, 12), _mm512_set1_epi16(8), 0xF8);  // sign to bit 3
+    if (__builtin_expect(mx16_subnormal_inputs<D>(v) != 0, 0)) {
+      __m512 even, odd;
+      simd::load_pairs<D>(x + 32 * k, &even, &odd);
+      const __m512 f = simd::lane(mul, k);
+      c = _mm512_or_si512(e2m1_code(_mm512_mul_ps(even, f)), _mm512_slli_epi32(e2m1_code(_mm512_mul_ps(odd, f)), 16));
+    }
     c = _mm512_maskz_mov_epi32(static_cast<simd::Mask>(~(0u - ((poisoned >> k) & 1u))), c);
     // 16-bit codes (element 2i low) to nibble pairs: the high half's code to bits 4-7.
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * k), _mm512_cvtepi32_epi8(_mm512_or_si512(c, _mm512_srli_epi32(c, 12))));
   }
 }
 
-// The smallest E8M0 code for which mx4/mx8_elements512_bf16_h are exact: 2 - emin + M (3 for E2M1,
-// 11 for E4M3, 18 for E5M2). Below it a bf16 subnormal input, whose exponent field the 16-bit
-// path would make up, could scale to a non-zero code.
+// The smallest E8M0 code for which the 16-bit paths are exact on bf16 inputs: 2 - emin + M (3
+// for E2M1, 11 for E4M3, 18 for E5M2). Below it a bf16 subnormal input, whose exponent field
+// the 16-bit path would make up, could scale to a non-zero code. (fp16 subnormals go to the
+// fp32 path vector by vector instead: mx16_subnormal_inputs.)
 template <class F>
 constexpr uint32_t kMx16MinCode = static_cast<uint32_t>(2 + (F::kBias - 1) + F::kMbits);
 
-// MXFP8 (E4M3, E5M2) elements of 16 whole bf16 blocks on 16-bit lanes, for E8M0 codes of at
-// least kMx16MinCode<F>: the same bytes as mx_elements512_bf16 (every non-NaN, non-Inf bf16
-// input a block can hold, every code: tools/bench/quant_mx_16bit_probe.cpp). |x| * 2^(127 -
-// code) is an addition to the bf16 exponent field (see mx4_elements512_bf16_h for why an
-// underflowed field or a subnormal input is harmless); normal targets round on the integer bits
-// (encode's integer path on 16 bits); magnitudes up to half the smallest subnormal step encode
-// to 0. A block holding a magnitude between that and the smallest normal (a subnormal target:
-// |x| within about 2^-18..2^-14 of the block amax, rare) is encoded again by the fp32 path.
-template <class F>
-static inline void mx8_elements512_bf16_h(const uint16_t* x, __m512i code, __m512 mul, simd::Mask poisoned, uint8_t* out) {
-  constexpr int kShift = 7 - F::kMbits, kEmin = 1 - F::kBias;
-  constexpr int kMinNormal = (127 + kEmin) << 7, kZeroMax = (127 + kEmin - F::kMbits - 1) << 7;
-  constexpr int kRound = ((1 << (kShift - 1)) - 1) - ((127 - F::kBias) << 7);
-  const __m512i d16 = mx16_deltas(code);
+// MXFP8 (E4M3, E5M2) elements of 16 whole blocks of 16-bit inputs on 16-bit lanes (for bf16,
+// codes of at least kMx16MinCode<F>): the same bytes as mx_elements512_16 (every non-NaN,
+// non-Inf input a block can hold, every code: tools/bench/quant_mx_16bit_probe.cpp). |x| *
+// 2^(127 - code) is an addition to the exponent field (see mx4_elements512_h for why an
+// underflowed field is harmless); normal targets round on the integer bits (encode's integer
+// path on 16 bits); magnitudes up to half the smallest subnormal step encode to 0. A vector
+// holding a magnitude between that and the smallest normal (a subnormal target: |x| within about
+// 2^-18..2^-14 of the block amax, rare; for fp16 and E5M2 every scaled magnitude below 2^-14,
+// which fp16 cannot hold as a normal) or an fp16 subnormal input is encoded by the fp32 path.
+template <DType D, class F>
+static inline void mx8_elements512_h(const uint16_t* x, __m512i code, __m512 mul, simd::Mask poisoned, uint8_t* out) {
+  constexpr int kM = Half16<D>::kMbits, kB = Half16<D>::kBias;
+  constexpr int kShift = kM - F::kMbits, kEmin = 1 - F::kBias;
+  constexpr int kMinNormal = (kB + kEmin) << kM;
+  // The largest magnitude that encodes to 0; below the normal range of the input type (fp16 and
+  // E5M2), the largest underflowed field instead: every scaled magnitude under 2^-14 then counts
+  // as a subnormal target.
+  constexpr int kZeroMax = kB + kEmin - F::kMbits - 1 > 0 ? (kB + kEmin - F::kMbits - 1) << kM : -(32 << kM);
+  constexpr int kRound = ((1 << (kShift - 1)) - 1) - ((kB - F::kBias) << kM);
+  static_assert(kMinNormal > 0 && kMinNormal < 0x8000, "the smallest normal target is a positive 16-bit field");
+  const __m512i d16 = mx16_deltas<D>(code);
   const __m512i one = _mm512_set1_epi16(1);
   for (int k = 0; k < 16; ++k) {
     const __m512i v = _mm512_loadu_si512(x + 32 * k);
@@ -178,11 +220,15 @@ static inline void mx8_elements512_bf16_h(const uint16_t* x, __m512i code, __m51
     c = _mm512_min_epu16(_mm512_srli_epi16(c, kShift), _mm512_set1_epi16(static_cast<short>(F::kMaxCode)));
     c = _mm512_maskz_mov_epi16(_mm512_cmpge_epi16_mask(r, _mm512_set1_epi16(static_cast<short>(kMinNormal))), c);
     c = _mm512_ternarylogic_epi32(c, _mm512_srli_epi16(v, 8), _mm512_set1_epi16(0x80), 0xF8);  // sign to bit 7
-    const __mmask32 sub = _mm512_cmpgt_epi16_mask(r, _mm512_set1_epi16(static_cast<short>(kZeroMax))) &
-                          _mm512_cmplt_epi16_mask(r, _mm512_set1_epi16(static_cast<short>(kMinNormal)));
+    __mmask32 sub = _mm512_cmpgt_epi16_mask(r, _mm512_set1_epi16(static_cast<short>(kZeroMax))) &
+                    _mm512_cmplt_epi16_mask(r, _mm512_set1_epi16(static_cast<short>(kMinNormal)));
+    if constexpr (D == DType::f16) {
+      const __m512i u = _mm512_and_si512(v, simd::u32(0x7FFF7FFFu));
+      sub = (sub & _mm512_test_epi16_mask(u, u)) | mx16_subnormal_inputs<D>(v);
+    }
     if (__builtin_expect(sub != 0, 0)) {
       __m512 even, odd;
-      simd::load_bf16_pairs(x + 32 * k, &even, &odd);
+      simd::load_pairs<D>(x + 32 * k, &even, &odd);
       const __m512 f = simd::lane(mul, k);
       c = _mm512_or_si512(simd::encode<F, false>(_mm512_mul_ps(even, f)), _mm512_slli_epi32((simd::encode<F, false>(_mm512_mul_ps(odd, f))), 16));
     }
@@ -219,19 +265,26 @@ static inline void mx_batch512(const typename In<D>::T* x, ScaleRule rule, uint8
         if (kMxBytes && poisoned == 0 && _mm512_cmplt_epu32_mask(code, simd::u32(kMx4BytesMinCode)) == 0)
           mx4_elements512_bf16_b(x, code, out);  // byte lanes (VBMI)
         else
-          mx4_elements512_bf16_h(x, code, poisoned, out);
+          mx4_elements512_h<D>(x, code, mul, poisoned, out);
       } else {
         if (kMxBytes && poisoned == 0)
           mx8_elements512_bf16_b<F>(x, code, mul, out);  // byte lanes (VBMI)
         else
-          mx8_elements512_bf16_h<F>(x, code, mul, poisoned, out);
+          mx8_elements512_h<D, F>(x, code, mul, poisoned, out);
       }
       return;
     }
     if (poisoned == 0)
-      mx_elements512_bf16<F, false>(x, mul, 0, out);
+      mx_elements512_16<D, F, false>(x, mul, 0, out);
     else
-      mx_elements512_bf16<F, true>(x, mul, poisoned, out);
+      mx_elements512_16<D, F, true>(x, mul, poisoned, out);
+    return;
+  }
+  if constexpr (D == DType::f16) {  // 16-bit lanes for every code (subnormal inputs: fp32 path)
+    if constexpr (kPacked)
+      mx4_elements512_h<D>(x, code, mul, poisoned, out);
+    else
+      mx8_elements512_h<D, F>(x, code, mul, poisoned, out);
     return;
   }
   for (int k = 0; k < 16; ++k) {

@@ -159,6 +159,23 @@ static inline void load_bf16_pairs(const void* p, __m512* even, __m512* odd) {
   *odd = _mm512_castsi512_ps(_mm512_and_si512(v, u32(0xFFFF0000u)));
 }
 
+// load_bf16_pairs for fp16 inputs (vcvtph2ps widens exactly, subnormals included).
+static inline void load_f16_pairs(const void* p, __m512* even, __m512* odd) {
+  const __m512i v = _mm512_loadu_si512(p);
+  *even = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+  *odd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+}
+
+// load_bf16_pairs or load_f16_pairs by the input type.
+template <DType D>
+static inline void load_pairs(const void* p, __m512* even, __m512* odd) {
+  static_assert(D == DType::bf16 || D == DType::f16, "16-bit inputs");
+  if constexpr (D == DType::bf16)
+    load_bf16_pairs(p, even, odd);
+  else
+    load_f16_pairs(p, even, odd);
+}
+
 // 32 four-bit codes (lane i of lo: element 2i, of hi: element 2i + 1) to 16 bytes.
 static inline void store_nibble_pairs(uint8_t* out, __m512i lo, __m512i hi) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4))));
