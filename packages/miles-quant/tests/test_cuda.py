@@ -73,6 +73,38 @@ def test_package_builds_with_the_cuda_kernels(tmp_path: Path) -> None:
     spec.loader.exec_module(mod)
     for op in ("quantize_fp8", "quantize_mx", "quantize_nvfp4", "quantize_int4"):
         assert callable(getattr(mod, op))
+    _native_calls_match_the_cuda_binding(mod)
+
+
+def _native_calls_match_the_cuda_binding(mod: object) -> None:
+    """miles_quant._native calls the CUDA binding with the CPU binding's arguments (the stream in
+    place of the threads). Without a GPU the kernels cannot run, but the binding checks every
+    buffer's size before it launches: each wrapper, pointed at `mod`, with a data buffer one byte
+    short must raise that size check's ValueError, not a TypeError from a signature mismatch."""
+    from miles_quant import _native
+    from miles_quant._spec import FORMATS
+
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    short = torch.empty(4 * 64 - 1, dtype=torch.uint8)  # too small for every layout below
+    f32, u8 = torch.empty(64, dtype=torch.float32), torch.empty(512, dtype=torch.uint8)
+    one = torch.empty(1, dtype=torch.uint8)
+    e4m3, e2m1 = FORMATS["fp8_e4m3"].element, FORMATS["mxfp4"].element
+    assert e4m3 is not None
+    assert e2m1 is not None
+    calls = {
+        "quantize_fp8": lambda: _native.fp8(x, (1, 4, 64), e4m3, (1, 128), False, short, f32),
+        "quantize_mx": lambda: _native.mx(x, 4, e4m3, "floor", short, u8),
+        "quantize_nvfp4": lambda: _native.nvfp4(x, (1, 4, 64), False, one, u8, f32[:1], False),
+        "quantize_int4": lambda: _native.int4(x, 4, 32, one, f32),
+    }  # fmt: skip
+    saved = _native._mod
+    _native._mod = lambda _x, _threads: (mod, 0)  # type: ignore[assignment]
+    try:
+        for op, call in calls.items():
+            with pytest.raises(ValueError, match=f"_ext_cuda: {op}: out size"):
+                call()
+    finally:
+        _native._mod = saved  # type: ignore[assignment]
 
 
 def _on_device_equals_reference(
