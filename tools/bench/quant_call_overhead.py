@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from quant_bandwidth import _torchao as torchao_quantizers
 
 import miles_quant as mq
 
@@ -31,22 +32,17 @@ FORMATS = [("fp8_e4m3", "1x128"), ("fp8_e4m3", "tensor"), ("mxfp8_e4m3", "1x32")
 
 
 def _torchao(fmt: str, x: torch.Tensor) -> Callable[[], object] | None:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from torchao.prototype.mx_formats.mx_tensor import to_mx
-            from torchao.prototype.mx_formats.nvfp4_tensor import (
-                nvfp4_quantize,
-                per_tensor_amax_to_scale,
-            )
-    except ImportError:
+    """torchao's eager quantizer of `fmt` on x (quant_bandwidth's peers), if it has one."""
+    ao = torchao_quantizers()
+    if ao is None:
         return None
+    mx, nvfp4, _ = ao
     if fmt == "mxfp8_e4m3":
-        return lambda: to_mx(x, torch.float8_e4m3fn, 32)
+        return lambda: mx(x, torch.float8_e4m3fn, "floor")
     if fmt == "mxfp4":
-        return lambda: to_mx(x, torch.float4_e2m1fn_x2, 32)
+        return lambda: mx(x, torch.float4_e2m1fn_x2, "floor")
     if fmt == "nvfp4":
-        return lambda: nvfp4_quantize(x, 16, per_tensor_amax_to_scale(x.abs().amax().float()))
+        return lambda: nvfp4(x)
     return None
 
 
