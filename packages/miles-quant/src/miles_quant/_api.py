@@ -322,9 +322,11 @@ def quantize(
     x = x.detach().contiguous()
     k = shape[-1]
     lead = shape[:-1]
-    if fmt.family == "fp8" and gran == "128x128":
+    # x as b matrices of r rows: 128x128 tiles per matrix, and per-expert tensor-level scales
+    # (fp8 "tensor", the NVFP4 global scale) with stacked=True; rows of one matrix otherwise.
+    if gran == "128x128":
         b, r = math.prod(shape[:-2]), shape[-2]
-    elif fmt.family in ("fp8", "nvfp4") and stacked:
+    elif stacked and (gran == "tensor" or fmt.family == "nvfp4"):
         b, r = shape[0], math.prod(shape[1:-1])
     else:
         b, r = 1, math.prod(lead)
