@@ -115,9 +115,12 @@ struct Half16 {
 
 // The 16-bit MX paths' scaling: per block, 127 - code in the exponent field's position, in both
 // 16-bit halves of lane k (mx16_deltas); then |x| * 2^(127 - code) of 32 inputs as bits, by
-// adding it to the exponent field of every non-zero |x| (mx16_scaled). For fp16 inputs 127 -
-// code is -14..32 (a block's code lies in 88..142 for any finite fp16 amax), so the shifted
-// delta fits 16 bits, and for a normal input of the block the sum stays below the Inf field.
+// adding it to the exponent field of every non-zero |x| (mx16_scaled). For fp16 inputs a
+// block's code lies in 88..142 under every rule; a block holding a normal input (amax >= 2^-14)
+// has a code of at least 98, so 127 - code is -15..29 and its shifted delta fits a signed 16-bit
+// lane, and the sum of a normal input stays below the Inf field (|x| * 2^(127 - code) < 2^(emax
+// + 1)). Below 98 the delta wraps, but such a block holds only zeros (left alone) and
+// subnormals (the fp32 path).
 template <DType D>
 static inline __m512i mx16_deltas(__m512i code) {
   const __m512i delta =
