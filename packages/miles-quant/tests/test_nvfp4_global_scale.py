@@ -217,3 +217,20 @@ def test_every_isa_equals_the_reference_with_a_given_scale(isa: str) -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "checked 18" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("gran", ["1x16", "16x16"])
+def test_alternating_scales_reuse_no_stale_tables(gran: str) -> None:
+    # The AVX512-VBMI kernels keep the last global scale's tables per thread: calls that
+    # alternate scales (given and computed, single rows and whole matrices, on one thread)
+    # must each give the reference's bits.
+    require_native()
+    g = torch.Generator().manual_seed(5)
+    xs = [(torch.randn(32, 512, generator=g) * s).to(torch.bfloat16) for s in (1.0, 3e-3, 70.0)]
+    scales = [None, torch.tensor(0.0123), None, torch.tensor(1.0), torch.tensor(0.0123), None]
+    for i, s in enumerate(scales * 2):
+        x = xs[i % len(xs)]
+        kw = {"granularity": gran, "global_scale": s, "threads": 1}
+        got = mq.quantize(x, "nvfp4", backend="native", **kw)  # type: ignore[arg-type]
+        kw.pop("threads")
+        assert_same_quantized(got, mq.quantize(x, "nvfp4", backend="torch", **kw))  # type: ignore[arg-type]

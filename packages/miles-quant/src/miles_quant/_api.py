@@ -135,18 +135,30 @@ def _check_global_scale(
         if g.dim() != 0 and not (experts is not None and tuple(g.shape) == (experts,)):
             want = f"() or ({experts},) (one per expert)" if experts is not None else "()"
             raise ValueError(f"quantize: global_scale must have shape {want}, got {tuple(g.shape)}")
-        t = g.detach().to(x.device)
+        t = g.detach()
+        if t.device != x.device:
+            t = t.to(x.device)
     else:
         t = torch.tensor(float(g), dtype=torch.float32, device=x.device)
-    bits = t.view(torch.int32)
-    ok = (bits >= 0x00800000) & (bits < 0x7F800000)  # normal, positive, finite
-    if not bool(ok.all()):
-        bad = t[~ok].reshape(-1)[0].item() if t.dim() else t.item()
+    # Normal, positive, finite. On CPU in Python (the few torch ops of a vectorized check cost
+    # more than a one-token quantize); elsewhere by torch ops (one device sync).
+    bad: float | None = None
+    if t.device.type == "cpu":
+        bad = next((v for v in t.reshape(-1).tolist() if not _F32_MIN_NORMAL <= v < math.inf), None)
+    else:
+        bits = t.view(torch.int32)
+        ok = (bits >= 0x00800000) & (bits < 0x7F800000)
+        if not bool(ok.all()):
+            bad = t[~ok].reshape(-1)[0].item()
+    if bad is not None:
         raise ValueError(
             f"quantize: global_scale must be finite and at least 2^-126 (a normal positive "
             f"fp32), got {bad!r}"
         )
     return t
+
+
+_F32_MIN_NORMAL = 2.0**-126
 
 
 def _cdiv(a: int, b: int) -> int:
