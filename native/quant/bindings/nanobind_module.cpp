@@ -52,15 +52,16 @@ NB_MODULE(_ext, m) {
 
   m.def(
       "encode",
-      [](uintptr_t x, int64_t n, int elem, uintptr_t out, int64_t out_nbytes, int threads) {
-        expect(n >= 0, "encode: bad size");
+      [](uintptr_t x, int64_t x_nbytes, int elem, uintptr_t out, int64_t out_nbytes, int threads) {
+        expect(x_nbytes >= 0 && x_nbytes % 4 == 0, "encode: x must be float32");
+        const int64_t n = x_nbytes / 4;
         const Elem e = to_elem(elem);
-        const float* xp = buffer<const float>(x, n * 4, n * 4, "encode: x");
+        const float* xp = buffer<const float>(x, x_nbytes, 4 * n, "encode: x");
         uint8_t* op = buffer<uint8_t>(out, out_nbytes, n, "encode: out (one byte per input element)");
         nb::gil_scoped_release release;
         cpu::encode_elements(xp, n, e, op, threads);
       },
-      nb::arg("x"), nb::arg("n"), nb::arg("elem"), nb::arg("out"), nb::arg("out_nbytes"), nb::arg("threads"));
+      nb::arg("x"), nb::arg("x_nbytes"), nb::arg("elem"), nb::arg("out"), nb::arg("out_nbytes"), nb::arg("threads"));
 
   m.def(
       "quantize_fp8",

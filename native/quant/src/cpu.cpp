@@ -149,6 +149,16 @@ int64_t merged_rows(int64_t rows, int64_t cols, int64_t group) {
   return 1;
 }
 
+// Args `a` (MxArgs, Nvfp4Args, Int4Args: rows per matrix and cols) with narrow rows merged.
+template <class Args>
+Args with_merged_rows(const Args& in, int64_t group) {
+  Args a = in;
+  const int64_t g = merged_rows(a.rows, a.cols, group);
+  a.rows /= g;
+  a.cols *= g;
+  return a;
+}
+
 // Per-matrix amax over B contiguous blocks of `per` elements.
 std::vector<uint32_t> batch_amax(DType d, const void* x, int64_t B, int64_t per, int threads) {
   const Leaf& L = leaf();
@@ -205,22 +215,15 @@ void quantize_fp8(const Fp8Args& a) {
 
 void quantize_mx(const MxArgs& in) {
   const Leaf& L = leaf();
-  MxArgs a = in;
-  const int64_t g = merged_rows(a.rows, a.cols, 32);
-  a.rows /= g;
-  a.cols *= g;
+  const MxArgs a = with_merged_rows(in, 32);
   parallel_for(a.rows, a.threads, grain_for(a.cols),
                [&](int64_t r0, int64_t r1) { L.mx_rows(a, r0, r1); });
 }
 
 void quantize_nvfp4(const Nvfp4Args& in) {
   const Leaf& L = leaf();
-  Nvfp4Args a = in;
-  if (!a.tile16x16) {  // within each matrix: its rows share the matrix's global scale
-    const int64_t g = merged_rows(a.rows, a.cols, 16);
-    a.rows /= g;
-    a.cols *= g;
-  }
+  // 1x16 only (16x16 tiles span 16 rows); within each matrix: its rows share its global scale.
+  Nvfp4Args a = in.tile16x16 ? in : with_merged_rows(in, 16);
   const int64_t B = a.batch, R = a.rows, C = a.cols, tr = a.tile16x16 ? 16 : 1;
   // A given global scale needs no amax pass: no matrix is poisoned as a whole (gamax 0), and
   // the kernels poison each block holding a NaN or Inf on its own.
@@ -237,10 +240,7 @@ void quantize_nvfp4(const Nvfp4Args& in) {
 
 void quantize_int4(const Int4Args& in) {
   const Leaf& L = leaf();
-  Int4Args a = in;
-  const int64_t g = merged_rows(a.rows, a.cols, a.group);
-  a.rows /= g;
-  a.cols *= g;
+  const Int4Args a = with_merged_rows(in, in.group);
   parallel_for(a.rows, a.threads, grain_for(a.cols),
                [&](int64_t r0, int64_t r1) { L.int4_rows(a, r0, r1); });
 }

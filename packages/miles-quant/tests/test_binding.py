@@ -6,10 +6,11 @@ than a small call's work: docs/benchmarks.md, "the cost of a small call")."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
-from _quant_testlib import assert_same_quantized, format_cases, require_native
+from _quant_testlib import assert_same_quantized, bits, format_cases, require_native
 
 import miles_quant as mq
 from miles_quant import _native
@@ -24,98 +25,89 @@ def _buf(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.nbytes
 
 
-def _calls() -> dict[str, tuple[Callable[..., None], list[object], list[int]]]:
-    """kernel -> (function, the arguments of a valid call on a bf16 [4, 64] input, the positions
-    of the size arguments, one per buffer in order: x, out, scales[, global_scale])."""
+@dataclass
+class Call:
+    """A valid call of one kernel on a bf16 [4, 64] input and the quantize() it stands for."""
+
+    fn: Callable[..., None]
+    args: list[object]  # holds the addresses of `bufs`, which keep them alive
+    bufs: dict[str, torch.Tensor]  # by name, in the call's order: x, out, scales[, global_scale]
+    want: mq.QuantizedTensor  # the same quantization by quantize()
+
+    def size_pos(self, name: str) -> int:
+        """Where `name`'s size sits in args (its address just before)."""
+        return self.args.index(self.bufs[name].data_ptr()) + 1
+
+
+def _call(kernel: str) -> Call:
     ext = _native._ext
     assert ext is not None
-    x = torch.randn(4, 64).to(torch.bfloat16)
-    u8 = torch.empty(256, dtype=torch.uint8)
-    f32 = torch.empty(4, dtype=torch.float32)
-    sc = torch.empty(8, dtype=torch.uint8)
-    bf = torch.empty(8, dtype=torch.bfloat16)
-    # fp8 1x32 tiles (4 x 2 scales), mx e4m3 (4 x 2 scales), nvfp4 1x16 (4 x 4 scales, packed
-    # 4 x 32 bytes), int4 groups of 32 with bf16 scales (4 x 2).
-    f8s = torch.empty(8, dtype=torch.float32)
-    nvs = torch.empty(16, dtype=torch.uint8)
-    g = torch.empty(1, dtype=torch.float32)
-    half = torch.empty(128, dtype=torch.uint8)
-    return {
-        "quantize_fp8": (
-            ext.quantize_fp8,
-            [*_buf(x), 1, 1, 4, 64, 1, 32, False, 0, *_buf(u8), *_buf(f8s), 1],
-            [1, 11, 13],
-        ),
-        "quantize_mx": (
-            ext.quantize_mx,
-            [*_buf(x), 1, 4, 64, 0, 0, *_buf(u8), *_buf(sc), 1],
-            [1, 8, 10],
-        ),
-        "quantize_nvfp4": (
-            ext.quantize_nvfp4,
-            [*_buf(x), 1, 1, 4, 64, False, *_buf(half), *_buf(nvs), *_buf(g), 1, False],
-            [1, 8, 10, 12],
-        ),
-        "quantize_int4": (
-            ext.quantize_int4,
-            [*_buf(x), 1, 4, 64, 32, 1, *_buf(half), *_buf(bf), 1],
-            [1, 8, 10],
-        ),
-        # Keep the buffers alive with the addresses (the dict holds the tensors too).
-        "_alive": (lambda: None, [x, u8, f32, sc, bf, f8s, nvs, g, half], []),
-    }
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    if kernel == "quantize_fp8":  # 1x128 groups: one per row of 64
+        b = {"x": x, "out": torch.empty(256, dtype=torch.uint8), "scales": torch.empty(4)}
+        args = [*_buf(x), 1, 1, 4, 64, 1, 128, False, 0, *_buf(b["out"]), *_buf(b["scales"]), 1]
+        return Call(ext.quantize_fp8, args, b, mq.quantize(x, "fp8_e4m3", granularity="1x128"))
+    if kernel == "quantize_mx":  # MXFP8 E4M3, FLOOR
+        b = {"x": x, "out": torch.empty(256, dtype=torch.uint8),
+             "scales": torch.empty(8, dtype=torch.uint8)}  # fmt: skip
+        args = [*_buf(x), 1, 4, 64, 0, 0, *_buf(b["out"]), *_buf(b["scales"]), 1]
+        return Call(ext.quantize_mx, args, b, mq.quantize(x, "mxfp8_e4m3"))
+    if kernel == "quantize_nvfp4":  # 1x16, computed global scale
+        b = {"x": x, "out": torch.empty(128, dtype=torch.uint8),
+             "scales": torch.empty(16, dtype=torch.uint8),
+             "global_scale": torch.empty(1)}  # fmt: skip
+        args = [*_buf(x), 1, 1, 4, 64, False, *_buf(b["out"]), *_buf(b["scales"]),
+                *_buf(b["global_scale"]), 1, False]  # fmt: skip
+        return Call(ext.quantize_nvfp4, args, b, mq.quantize(x, "nvfp4"))
+    assert kernel == "quantize_int4"  # groups of 32, bf16 scales
+    b = {"x": x, "out": torch.empty(128, dtype=torch.uint8),
+         "scales": torch.empty(8, dtype=torch.bfloat16)}  # fmt: skip
+    args = [*_buf(x), 1, 4, 64, 32, 1, *_buf(b["out"]), *_buf(b["scales"]), 1]
+    return Call(ext.quantize_int4, args, b, mq.quantize(x, "int4_g32"))
 
 
 KERNELS = ["quantize_fp8", "quantize_mx", "quantize_nvfp4", "quantize_int4"]
-BUFFERS = {
-    "quantize_fp8": ["x", "out", "scales"],
-    "quantize_mx": ["x", "out", "scales"],
-    "quantize_nvfp4": ["x", "out", "scales", "global_scale"],
-    "quantize_int4": ["x", "out", "scales"],
-}
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_a_valid_call_runs(kernel: str) -> None:
-    calls = _calls()
-    fn, args, _ = calls[kernel]
-    fn(*args)
+def test_a_valid_call_writes_quantizes_bits(kernel: str) -> None:
+    c = _call(kernel)
+    c.fn(*c.args)
+    assert torch.equal(bits(c.bufs["out"]), bits(c.want.data))
+    assert torch.equal(bits(c.bufs["scales"]), bits(c.want.scales))
+    if c.want.global_scale is not None:
+        assert torch.equal(bits(c.bufs["global_scale"]), bits(c.want.global_scale))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("delta", [-1, 1])
 def test_every_buffer_size_is_checked(kernel: str, delta: int) -> None:
-    calls = _calls()
-    fn, args, sizes = calls[kernel]
-    for pos, name in zip(sizes, BUFFERS[kernel], strict=True):
-        bad = list(args)
-        bad[pos] = int(bad[pos]) + delta  # type: ignore[call-overload]
+    c = _call(kernel)
+    for name in c.bufs:
+        bad = list(c.args)
+        bad[c.size_pos(name)] = c.bufs[name].nbytes + delta
         with pytest.raises(ValueError, match=f"{kernel}: {name} size"):
-            fn(*bad)
+            c.fn(*bad)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_null_address_with_a_size_is_refused(kernel: str) -> None:
-    calls = _calls()
-    fn, args, sizes = calls[kernel]
-    for pos, name in zip(sizes, BUFFERS[kernel], strict=True):
-        bad = list(args)
-        bad[pos - 1] = 0
+    c = _call(kernel)
+    for name in c.bufs:
+        bad = list(c.args)
+        bad[c.size_pos(name) - 1] = 0
         with pytest.raises(ValueError, match=f"{kernel}: {name}"):
-            fn(*bad)
+            c.fn(*bad)
 
 
 def test_a_refused_call_writes_nothing() -> None:
-    calls = _calls()
-    fn, args, sizes = calls["quantize_mx"]
-    out = calls["_alive"][1][1]
-    assert isinstance(out, torch.Tensor)
-    out.fill_(0xAB)
-    bad = list(args)
-    bad[sizes[2]] = int(bad[sizes[2]]) - 1  # type: ignore[call-overload]
+    c = _call("quantize_mx")
+    c.bufs["out"].fill_(0xAB)
+    bad = list(c.args)
+    bad[c.size_pos("scales")] = c.bufs["scales"].nbytes - 1
     with pytest.raises(ValueError, match="scales size"):
-        fn(*bad)
-    assert bool((out == 0xAB).all())
+        c.fn(*bad)
+    assert bool((c.bufs["out"] == 0xAB).all())
 
 
 @pytest.mark.parametrize(("fmt", "gran", "rule"), format_cases())
@@ -132,3 +124,15 @@ def test_empty_inputs_of_every_granularity_match_the_reference_and_take_out(
     q = mq.quantize(x, fmt, backend="native", **kw)  # type: ignore[arg-type]
     assert_same_quantized(q, mq.quantize(x, fmt, backend="torch", **kw))  # type: ignore[arg-type]
     assert_same_quantized(mq.quantize(x, fmt, out=q, **kw), q)  # type: ignore[arg-type]
+
+
+def test_the_raw_cast_checks_its_sizes() -> None:
+    ext = _native._ext
+    assert ext is not None
+    x, out = torch.tensor([1.0, -0.5, 448.0]), torch.empty(3, dtype=torch.uint8)
+    ext.encode(*_buf(x), 0, *_buf(out), 1)  # E4M3
+    assert out.tolist() == [0x38, 0xB0, 0x7E]
+    with pytest.raises(ValueError, match="encode: x must be float32"):
+        ext.encode(x.data_ptr(), 6, 0, *_buf(out), 1)
+    with pytest.raises(ValueError, match="encode: out"):
+        ext.encode(*_buf(x), 0, out.data_ptr(), 2, 1)

@@ -102,7 +102,7 @@ def encode(x: torch.Tensor, el: Element, threads: int | None = None) -> torch.Te
     assert x.is_contiguous(), "encode takes a contiguous tensor"
     mod, last = _mod(x, threads)
     out = torch.empty(x.shape, dtype=torch.uint8)
-    mod.encode(x.data_ptr(), x.numel(), el.code, out.data_ptr(), out.nbytes, last)
+    mod.encode(x.data_ptr(), x.nbytes, el.code, out.data_ptr(), out.nbytes, last)
     return out
 
 
