@@ -83,13 +83,13 @@ int main() {
           factors[k] = nvfp4_block_factor(inv, codes[k]);
         }
         const __m512 factor = _mm512_load_ps(factors);
-        const __m512i kk = nvfp4_block_c(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes))), tables);
+        const __m512i kk = nvfp4_block_kk(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes))), tables);
         for (size_t b = 0; b < n; b += 256) nvfp4_elements256<DType::bf16>(&xs[b], factor, &want[b / 2]);
         // The tables as built (the one table where it exists), then the 8 tables for the same scale.
         for (int pass = 0; pass < (tables.one ? 2 : 1); ++pass) {
           Nvfp4Tables eight = tables;
           if (pass == 1) eight.one = false;
-          const __m512i kb = pass == 1 ? _mm512_maskz_mov_epi8(0xFFFFull, kk) : kk;  // B bytes 0 as nvfp4_block_c
+          const __m512i kb = pass == 1 ? _mm512_maskz_mov_epi8(0xFFFFFFFFull, kk) : kk;  // B bytes 0 as nvfp4_block_kk
           for (size_t b = 0; b < n; b += 256) nvfp4_elements256_tab(&xs[b], kb, codes, eight, &got[b / 2]);
           checked += n / 2;
           if (std::memcmp(want.data(), got.data(), n / 2) != 0) {
@@ -119,10 +119,10 @@ int main() {
     factors[k] = nvfp4_block_factor(inv, codes[k]);
   }
   const __m512 factor = _mm512_load_ps(factors);
-  const __m512i kk = nvfp4_block_c(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes))), tables);
+  const __m512i kk = nvfp4_block_kk(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes))), tables);
   Nvfp4Tables eight = tables;
   eight.one = false;
-  const __m512i kk8 = _mm512_maskz_mov_epi8(0xFFFFull, kk);
+  const __m512i kk8 = _mm512_maskz_mov_epi8(0xFFFFFFFFull, kk);
   if (!tables.one) std::printf("(no one table for this scale: both timings are of the 8 tables)\n");
   constexpr int kReps = 400000;
   for (int r = 0; r < 3; ++r) {

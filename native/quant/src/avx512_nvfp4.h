@@ -111,7 +111,7 @@ static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const N
     uint8_t* scales;
     uint8_t* out;
     __m512 sg, inv, f;  // the fp32 path: global scale, its inverse, the batch's element factors
-    __m512i k;          // the tables: the batch's nvfp4_block_c
+    __m512i k;          // the tables: the batch's nvfp4_block_kk
     const Nvfp4Tables* tables;
   };
   // The first half of batch q of row w (its scales), and the second (its elements).
@@ -174,9 +174,8 @@ static void nvfp4_tile_row16_tab(const Nvfp4Args& a, int64_t r0, const Nvfp4Tabl
       for (int64_t b = 0; b < 512; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kTileRowAhead) + b, _MM_HINT_T1);
       for (int j = 0; j < 8; ++j) h[j] = _mm512_max_epu16(h[j], _mm512_and_si512(_mm512_loadu_si512(p + 32 * j), abs));
     }
-    const __m512i code = nvfp4_codes_tab<Given>(block16_amax_halves(h), t);
-    const __m128i codes = _mm512_cvtepi32_epi8(code);
-    const __m512i kk = nvfp4_block_c(code, t);
+    const __m512i kk = nvfp4_block_kk(nvfp4_codes_tab<Given>(block16_amax_halves(h), t), t);
+    const __m128i codes = _mm512_castsi512_si128(kk);
     for (int64_t r = 0; r < 16; ++r) {
       uint8_t* sc = a.scales + (r0 + r) * nc + q * 16;
       uint8_t* out = a.out + (r0 + r) * out_stride + q * 128;

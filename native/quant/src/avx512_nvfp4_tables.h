@@ -60,6 +60,7 @@ struct Nvfp4Tables {
   alignas(64) uint8_t a[128];     // [m] = A[m]
   alignas(64) uint8_t g[128];     // G
   alignas(64) int32_t bj[16];     // [j] = B[j]; 0 without the one table; lanes 8-15 unused
+  alignas(64) uint32_t cb[16];    // [j] = cj[j] mod 256 | B[j] << 8 (nvfp4_block_kk); lanes 8-15 0
 };
 
 // An entry of avx512_nvfp4_embeddings.inc: key = the mantissa bits of 1 / s_g, A[0] and A's
@@ -127,6 +128,8 @@ static inline void nvfp4_build_tables(float s_g, Nvfp4Tables* out) {
   }
   out->k_g = static_cast<int32_t>(r0) - 8 * static_cast<int32_t>(f32_bits(s_g) >> 23);
   nvfp4_embed(inv, out);
+  for (uint32_t j = 0; j < 16; ++j)
+    out->cb[j] = (static_cast<uint32_t>(out->cj[j]) & 0xFFu) | (static_cast<uint32_t>(out->bj[j]) << 8);
 }
 
 // Whether the tables hold for the global scale s_g: whether s_g is nvfp4_global_scale(A) for a
@@ -150,14 +153,30 @@ static inline __m512i nvfp4_block_codes_tab(__m512i h16, const Nvfp4Tables& t) {
   return _mm512_min_epi32(_mm512_max_epi32(c, simd::u32(8)), simd::u32(E4M3::kMaxCode));
 }
 
-// The C bytes (above) of 16 blocks (lane k: block k's code) in bytes 0-15, their B bytes (0
-// without the one table) in bytes 16-31.
-static inline __m512i nvfp4_block_c(__m512i code, const Nvfp4Tables& t) {
-  const __m512i j = _mm512_and_si512(code, simd::u32(7));
-  const __m512i cj = _mm512_permutexvar_epi32(j, _mm512_load_si512(t.cj));
-  const __m128i c = _mm512_cvtepi32_epi8(_mm512_add_epi32(cj, _mm512_srli_epi32(code, 3)));
-  const __m128i b = _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(j, _mm512_load_si512(t.bj)));
-  return _mm512_inserti32x4(_mm512_castsi128_si512(c), b, 1);
+// nvfp4_block_kk's vpermb index: byte 2, 0, 1 of dword k to bytes k, 16 + k, 32 + k.
+struct Nvfp4KkGather {
+  uint8_t b[64];
+};
+static constexpr Nvfp4KkGather nvfp4_kk_gather() {
+  Nvfp4KkGather r{};
+  for (int k = 0; k < 16; ++k) {
+    r.b[k] = static_cast<uint8_t>(4 * k + 2);
+    r.b[16 + k] = static_cast<uint8_t>(4 * k);
+    r.b[32 + k] = static_cast<uint8_t>(4 * k + 1);
+  }
+  return r;
+}
+alignas(64) static constexpr Nvfp4KkGather kNvfp4KkGather = nvfp4_kk_gather();
+
+// The bytes a batch of 16 blocks needs, from their codes (lane k: block k's code, below 128):
+// bytes 0-15 the codes (the scales row's bytes), 16-31 their C (above), 32-47 their B (0
+// without the one table). One dword lookup gives C's constant and B, one byte addition adds E
+// (a byte's wrap-around is the truncation C's byte always had), one vpermb gathers the three
+// rows: 7 operations instead of 14 for three narrowing conversions and an insert.
+static inline __m512i nvfp4_block_kk(__m512i code, const Nvfp4Tables& t) {
+  const __m512i cb = _mm512_permutexvar_epi32(_mm512_and_si512(code, simd::u32(7)), _mm512_load_si512(t.cb));
+  const __m512i all = _mm512_or_si512(_mm512_add_epi8(cb, _mm512_srli_epi32(code, 3)), _mm512_slli_epi32(code, 16));
+  return _mm512_permutexvar_epi8(_mm512_load_si512(kNvfp4KkGather.b), all);
 }
 
 // nvfp4_block_codes_tab, and with Given (the global scale was given, Nvfp4Args::given_scale)
@@ -172,45 +191,75 @@ static inline __m512i nvfp4_codes_tab(__m512i h16, const Nvfp4Tables& t) {
 }
 
 // The first half of a bf16 batch (nvfp4_scales256's, by the tables): its 16 block codes to
-// `scales`; returns their nvfp4_block_c.
+// `scales`; returns their nvfp4_block_kk.
 template <bool Given>
 static inline __m512i nvfp4_scales256_tab(const uint16_t* x, const Nvfp4Tables& t, uint8_t* scales) {
   prefetch_lines(reinterpret_cast<const char*>(x) + simd::kPrefetchAhead, 0, 512);
   __m512i h[8];
   for (int j = 0; j < 8; ++j) h[j] = _mm512_and_si512(_mm512_loadu_si512(x + 32 * j), _mm512_set1_epi16(0x7FFF));
-  const __m512i code = nvfp4_codes_tab<Given>(block16_amax_halves(h), t);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(code));
-  return nvfp4_block_c(code, t);
+  const __m512i kk = nvfp4_block_kk(nvfp4_codes_tab<Given>(block16_amax_halves(h), t), t);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_castsi512_si128(kk));
+  return kk;
 }
 
+// The one-table loop's byte lanes. Two vpackuswb split 64 bf16 inputs (v0: inputs 0-31, v1:
+// 32-63) into low and high bytes without vpermt2b (3 vector slots on Zen 4, against 1 for a
+// vpackuswb, an and or a shift): 128-bit lane L of the result holds inputs 8L..8L+7 of v0 in its
+// bytes 0-7 and of v1 in bytes 8-15, so byte (L, i) is an input of block (i < 8 ? 0 : 2) + L / 2
+// of the 64 (kNvfp4StepBlock, offset by the C row of nvfp4_block_kk). The codes go back to input
+// order at the end: vpmaddubsw pairs neighbours (both in one half lane), one vpackuswb packs two
+// such 64-input steps, and one vpermd puts its 4-byte runs in place (instead of two vpmovwb).
+struct Nvfp4StepBlock {
+  uint8_t b[64];
+};
+static constexpr Nvfp4StepBlock nvfp4_step_block() {
+  Nvfp4StepBlock r{};
+  for (int l = 0; l < 4; ++l)
+    for (int i = 0; i < 16; ++i) r.b[16 * l + i] = static_cast<uint8_t>(16 + (i < 8 ? 0 : 2) + l / 2);
+  return r;
+}
+alignas(64) static constexpr Nvfp4StepBlock kNvfp4StepBlock = nvfp4_step_block();
+
 // 16 whole 1x16 bf16 blocks (256 inputs) whose block scale codes are codes[0, 16) and whose
-// nvfp4_block_c is kk, packed: the bytes of nvfp4_elements256<bf16>.
+// nvfp4_block_kk is kk, packed: the bytes of nvfp4_elements256<bf16>.
 static inline void nvfp4_elements256_tab(const uint16_t* x, __m512i kk, const uint8_t* codes, const Nvfp4Tables& t,
                                          uint8_t* out) {
-  // 64 inputs (4 blocks) a step, one byte a lane (simd::bf16_bytes).
   const __m512i grid = _mm512_load_si512(kE2m1Grid11.g);
-  const __m512i eight = _mm512_set1_epi8(8);
+  const __m512i eight = _mm512_set1_epi8(8), four = _mm512_set1_epi8(4), sixteen = _mm512_set1_epi8(16);
   const __m512i nibbles = _mm512_set1_epi16(0x1001);  // element 2i * 1 + element 2i + 1 * 16
-  __m512i quad = _mm512_set_epi64(0x0303030303030303ll, 0x0303030303030303ll, 0x0202020202020202ll,
-                                  0x0202020202020202ll, 0x0101010101010101ll, 0x0101010101010101ll, 0, 0);
   if (t.one) {
     const __m512i a0 = _mm512_load_si512(t.a), a1 = _mm512_load_si512(t.a + 64);
     const __m512i g0 = _mm512_load_si512(t.g), g1 = _mm512_load_si512(t.g + 64);
-    const __m512i sixteen = _mm512_set1_epi8(16), four = _mm512_set1_epi8(4);
-    for (int g = 0; g < 4; ++g) {
-      const simd::Bf16Bytes v = simd::bf16_bytes(x + 64 * g);
-      const __m512i am = _mm512_permutex2var_epi8(a0, v.lo, a1);  // A[m]: vpermi2b ignores bit 7
-      const __m512i b = _mm512_permutexvar_epi8(_mm512_add_epi8(quad, sixteen), kk);
-      const __m512i tab = _mm512_permutex2var_epi8(g0, _mm512_sub_epi8(am, b), g1);
-      const __m512i c = _mm512_permutexvar_epi8(quad, kk);
-      quad = _mm512_add_epi8(quad, four);
-      const __m512i u = _mm512_min_epu8(_mm512_subs_epu8(v.e, c), eight);
-      __m512i code = _mm512_permutexvar_epi8(_mm512_add_epi8(u, tab), grid);
-      code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v.hi, 4), eight, 0xF8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * g), _mm512_cvtepi16_epi8(_mm512_maddubs_epi16(code, nibbles)));
+    const __m512i low = _mm512_set1_epi16(0xFF);
+    const __m512i runs = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m512i cidx = _mm512_load_si512(kNvfp4StepBlock.b);  // lane: its block's C byte in kk
+    for (int d = 0; d < 2; ++d) {
+      __m512i m[2];
+      for (int s = 0; s < 2; ++s) {
+        const uint16_t* p = x + 128 * d + 64 * s;
+        const __m512i v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 32);
+        const __m512i lo = _mm512_packus_epi16(_mm512_and_si512(v0, low), _mm512_and_si512(v1, low));
+        const __m512i hi = _mm512_packus_epi16(_mm512_srli_epi16(v0, 8), _mm512_srli_epi16(v1, 8));
+        const __m512i e = _mm512_ternarylogic_epi32(_mm512_add_epi8(hi, hi), _mm512_srli_epi16(lo, 7), _mm512_set1_epi8(1), 0xF8);
+        const __m512i am = _mm512_permutex2var_epi8(a0, lo, a1);  // A[m]: vpermi2b ignores bit 7
+        const __m512i b = _mm512_permutexvar_epi8(_mm512_add_epi8(cidx, sixteen), kk);
+        const __m512i tab = _mm512_permutex2var_epi8(g0, _mm512_sub_epi8(am, b), g1);
+        const __m512i c = _mm512_permutexvar_epi8(cidx, kk);
+        cidx = _mm512_add_epi8(cidx, four);
+        const __m512i u = _mm512_min_epu8(_mm512_subs_epu8(e, c), eight);
+        __m512i code = _mm512_permutexvar_epi8(_mm512_add_epi8(u, tab), grid);
+        code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(hi, 4), eight, 0xF8);  // sign (bit 7) to bit 3
+        m[s] = _mm512_maddubs_epi16(code, nibbles);
+      }
+      _mm512_storeu_si512(out + 64 * d, _mm512_permutexvar_epi32(runs, _mm512_packus_epi16(m[0], m[1])));
     }
     return;
   }
+  // 8 tables: 64 inputs (4 blocks) a step in input order (simd::bf16_bytes), each block's table
+  // by a masked lookup.
+  __m512i quad = _mm512_set_epi64(0x1313131313131313ll, 0x1313131313131313ll, 0x1212121212121212ll,
+                                  0x1212121212121212ll, 0x1111111111111111ll, 0x1111111111111111ll,
+                                  0x1010101010101010ll, 0x1010101010101010ll);  // lane i: C of block 4g + i / 16
   for (int g = 0; g < 4; ++g) {
     const simd::Bf16Bytes v = simd::bf16_bytes(x + 64 * g);
     __m512i tb[4];
@@ -219,8 +268,8 @@ static inline void nvfp4_elements256_tab(const uint16_t* x, __m512i kk, const ui
       tb[b] = _mm512_maskz_permutex2var_epi8(0xFFFFull << (16 * b), _mm512_load_si512(tj), v.lo, _mm512_load_si512(tj + 64));
     }
     const __m512i tab = _mm512_or_si512(_mm512_ternarylogic_epi32(tb[0], tb[1], tb[2], 0xFE), tb[3]);
-    const __m512i c = _mm512_permutexvar_epi8(quad, kk);  // lane i: C of block 4g + i / 16
-    quad = _mm512_add_epi8(quad, _mm512_set1_epi8(4));
+    const __m512i c = _mm512_permutexvar_epi8(quad, kk);
+    quad = _mm512_add_epi8(quad, four);
     const __m512i u = _mm512_min_epu8(_mm512_subs_epu8(v.e, c), eight);
     __m512i code = _mm512_permutexvar_epi8(_mm512_add_epi8(u, tab), grid);
     code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v.hi, 4), eight, 0xF8);  // sign (bit 7) to bit 3
