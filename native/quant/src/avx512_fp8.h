@@ -18,7 +18,11 @@ static inline __m512i fp8_pairs32_bf16(const uint16_t* x, __m512 vs) {
   return _mm512_or_si512(ce, _mm512_slli_epi32(co, 8));
 }
 
-#include "avx512_fp8_tables.h"  // kFp8Tables, fp8_tab, fp8_tab_run (VBMI builds)
+#include "avx512_fp8_tables.h"  // kFp8Tables, fp8_group_tab, fp8_group_run (VBMI builds)
+
+// Whether inputs of dtype D take the FP8 tables (bf16 and fp16 on VBMI builds).
+template <DType D>
+constexpr bool kFp8Tables16Bit = kFp8Tables && (D == DType::bf16 || D == DType::f16);
 
 // x / s encoded, n inputs. kPrefetch: also request the lines kPrefetchAhead bytes ahead, 256
 // bytes at a time (a long stream from memory).
@@ -65,31 +69,32 @@ static void fp8_flat_v(const Fp8Args& a, int64_t begin, int64_t n, uint32_t amax
   // input from memory again, with the lines kPrefetchAhead bytes ahead requested, as the amax
   // pass does: one call, so that the encode's constants are set up once.
   const float s = fp8_scale<F>(bits_f32(amax));
-  if constexpr (D == DType::bf16 && kFp8Tables) {
+  if constexpr (kFp8Tables16Bit<D>) {
     const int64_t whole = n / 32 * 32;
-    fp8_tab_run<F, true>(x, whole, fp8_tab<F>(fp8_tables<F>(), amax, s), s, a.out + begin);
+    fp8_group_run<D, F, true>(x, whole, fp8_group_tab<D, F>(amax, s), s, a.out + begin);
     fp8_run_v<D, F>(x + whole, n - whole, s, a.out + begin + whole);
     return;
   }
   fp8_run_v<D, F, true>(x, n, s, a.out + begin);
 }
 
-// nb whole bf16 tiles of one row, tc (a multiple of 32) inputs each, tile k divided by s[k]:
-// fp8_run_v's bf16 loop for all of them in one branch-free loop (a poisoned tile's codes are
-// overwritten), so that the encode's constants stay in registers across tiles instead of being
-// rebuilt per call. kPrefetch: request each tile's lines kPrefetchAhead bytes ahead first.
-// With kFp8Tables, tile k is encoded by its table tab[k] (fp8_tab_run) and a poisoned tile is
-// filled with NaN codes.
-template <class F, bool kPrefetch>
-static inline void fp8_tiles_row_bf16(const uint16_t* x, int64_t nb, int64_t tc, const float* s, const Fp8Tab* tab,
-                                      simd::Mask poisoned, uint8_t* out) {
+// nb whole 16-bit tiles (bf16, or fp16 with the tables) of one row, tc (a multiple of 32) inputs
+// each, tile k divided by s[k]: fp8_run_v's bf16 loop for all of them in one branch-free loop (a
+// poisoned tile's codes are overwritten), so that the encode's constants stay in registers
+// across tiles instead of being rebuilt per call. kPrefetch: request each tile's lines
+// kPrefetchAhead bytes ahead first. With kFp8Tables, tile k is encoded by its table tab[k]
+// (fp8_group_run) and a poisoned tile is filled with NaN codes.
+template <DType D, class F, bool kPrefetch>
+static inline void fp8_tiles_row16(const uint16_t* x, int64_t nb, int64_t tc, const float* s, const Fp8Tab* tab,
+                                   simd::Mask poisoned, uint8_t* out) {
+  static_assert(D == DType::bf16 || kFp8Tables16Bit<D>, "fp16 tiles need the tables");
   if constexpr (kFp8Tables) {
     for (int64_t k = 0; k < nb; ++k) {
       if constexpr (kPrefetch) prefetch_lines(reinterpret_cast<const char*>(x + k * tc) + simd::kPrefetchAhead, 0, tc * 2);
       if ((poisoned >> k) & 1)
         std::memset(out + k * tc, F::kNanCode, static_cast<size_t>(tc));
       else
-        fp8_tab_run<F, false>(x + k * tc, tc, tab[k], s[k], out + k * tc);
+        fp8_group_run<D, F, false>(x + k * tc, tc, tab[k], s[k], out + k * tc);
     }
     return;
   }
@@ -120,6 +125,7 @@ static void fp8_bands_v(const Fp8Args& a, int64_t t0, int64_t t1) {
   using T = typename In<D>::T;
   constexpr int64_t kSize = static_cast<int64_t>(sizeof(T)), kBandBytes = int64_t{8} << 20;
   constexpr int64_t kStreams = 4, kMaxTiles = 256;
+  constexpr bool kRow16 = D == DType::bf16 || kFp8Tables16Bit<D>;
   const auto* x = static_cast<const T*>(a.x);
   const int64_t R = a.rows, C = a.cols, tr = a.tile_rows, tc = a.tile_cols;
   const int64_t nr = (R + tr - 1) / tr, nc = (C + tc - 1) / tc;
@@ -129,7 +135,6 @@ static void fp8_bands_v(const Fp8Args& a, int64_t t0, int64_t t1) {
   __m512i acc[kMaxTiles];
   alignas(64) float s[kMaxTiles];
   alignas(64) uint32_t amax_bits[kMaxTiles];
-  [[maybe_unused]] const Fp8Tables<F>& tables = fp8_tables<F>();
   Fp8Tab tab[kMaxTiles];
   uint16_t poisoned[kMaxTiles / 16];
   for (int64_t t = t0; t < t1; ++t) {
@@ -165,16 +170,16 @@ static void fp8_bands_v(const Fp8Args& a, int64_t t0, int64_t t1) {
         _mm512_storeu_si512(amax_bits + k0, amax);
         poisoned[k0 / 16] = bad;
       }
-      if constexpr (D == DType::bf16 && kFp8Tables)
-        for (int64_t k = 0; k < nb; ++k) tab[k] = fp8_tab<F>(tables, amax_bits[k], s[k]);
+      if constexpr (kFp8Tables16Bit<D>)
+        for (int64_t k = 0; k < nb; ++k) tab[k] = fp8_group_tab<D, F>(amax_bits[k], s[k]);
       const int64_t cb = j0 * tc;
-      const bool whole = D == DType::bf16 && tc % 32 == 0 && lo(C, cb + nb * tc) - cb == nb * tc;
+      const bool whole = kRow16 && tc % 32 == 0 && lo(C, cb + nb * tc) - cb == nb * tc;
       for (int64_t r = r0; r < r1; ++r) {
-        if constexpr (D == DType::bf16) {
-          if (whole) {  // one branch-free loop per 16 tiles of the row (fp8_tiles_row_bf16)
+        if constexpr (kRow16) {
+          if (whole) {  // one branch-free loop per 16 tiles of the row (fp8_tiles_row16)
             for (int64_t k0 = 0; k0 < nb; k0 += 16) {
               const int64_t c0 = cb + k0 * tc;
-              fp8_tiles_row_bf16<F, true>(x + r * C + c0, lo(16, nb - k0), tc, s + k0, tab + k0, poisoned[k0 / 16],
+              fp8_tiles_row16<D, F, true>(x + r * C + c0, lo(16, nb - k0), tc, s + k0, tab + k0, poisoned[k0 / 16],
                                           a.out + r * C + c0);
             }
             continue;
@@ -211,7 +216,7 @@ static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
     return;
   }
   constexpr int64_t kW = 4, kAhead = 4;  // amax4 reduces exactly 4 accumulators
-  constexpr bool kTab = D == DType::bf16 && kFp8Tables;
+  constexpr bool kTab = kFp8Tables16Bit<D>;
   using T = typename In<D>::T;
   constexpr int64_t kSize = static_cast<int64_t>(sizeof(T));
   const auto* x = static_cast<const T*>(a.x);
@@ -244,7 +249,6 @@ static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
   };
   alignas(64) float s[16];
   alignas(64) uint32_t amax_bits[16];
-  [[maybe_unused]] const Fp8Tables<F>& tables = fp8_tables<F>();
   Fp8Tab tab[kW];
   simd::Mask poisoned = 0;
   // The scales of chunk c from acc: stored, and kept in s / poisoned (and tab).
@@ -265,14 +269,14 @@ static void fp8_tiles_v(const Fp8Args& a, int64_t t0, int64_t t1) {
     _mm512_store_ps(s, sv);
     if constexpr (kTab) {
       _mm512_store_si512(amax_bits, amax);
-      for (int64_t k = 0; k < c.nb; ++k) tab[k] = fp8_tab<F>(tables, amax_bits[k], s[k]);
+      for (int64_t k = 0; k < c.nb; ++k) tab[k] = fp8_group_tab<D, F>(amax_bits[k], s[k]);
     }
   };
   const auto cast = [&](const Chunk& c) {
     const int64_t r = c.r;
-    if constexpr (D == DType::bf16) {
+    if constexpr (D == DType::bf16 || kTab) {
       if (tc % 32 == 0 && c.ce - c.cb == c.nb * tc) {  // whole tiles: one branch-free loop
-        fp8_tiles_row_bf16<F, false>(x + r * C + c.cb, c.nb, tc, s, tab, poisoned, a.out + r * C + c.cb);
+        fp8_tiles_row16<D, F, false>(x + r * C + c.cb, c.nb, tc, s, tab, poisoned, a.out + r * C + c.cb);
         return;
       }
     }

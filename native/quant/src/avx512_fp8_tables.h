@@ -147,6 +147,136 @@ static inline void fp8_tab_run(const uint16_t* x, int64_t n, Fp8Tab t, float s, 
     fp8_tab32<F>(x + i, ta, tb, k, s, out + i);
   }
 }
+
+// ---- fp16 inputs -----------------------------------------------------------------------------
+// The same argument for fp16 x = (1 + m/1024) * 2^(e - 15) (m 10 bits, e 5 bits): it is the
+// bf16 case with e + 112 for e, so c = e * 2^M + d[m] + K + 112 * 2^M, and s's mantissa depends
+// only on the amax's 10 mantissa bits (an fp16 amax, normal or subnormal, is a normal fp32 whose
+// mantissa has at most 10 bits): 1025 tables. A 1024-entry table is no single lookup, but d[m]
+// is a step function that rises by at most 1 within any 16 consecutive m: y_m moves by 1 / (1024
+// s') per step, the rounding grid's spacing at y is at least y / 2^(M+1) and y * s' >= 1, so
+// rises are at least 2^(9 - M) >= 64 apart. So each table is two 64-byte tables, looked up by m's
+// top 6 bits (vpermb, 16-bit lanes): D[k] = d[16k] and T[k] = the first j in 1..15 with
+// d[16k + j] = D[k] + 1 (16 if none), and d[m] = D[m >> 4] + (m & 15 >= T[m >> 4]).
+// nvfp4-style byte lanes do not fit (m straddles the two bytes), so this works on 16-bit lanes,
+// 32 inputs a step, as fp8_tab32 does. Lanes with e = 0: a zero encodes to 0 (sign kept); an
+// fp16 subnormal is not (1 + m/1024) * 2^(e - 15) and, unlike a bf16 one, can scale to a
+// non-zero code, so a step holding one goes through the fp32 path, as does a step with a
+// subnormal target. tools/bench/quant_fp8_f16_tables_probe.cpp checks every fp16 amax and
+// every fp16 x with |x| <= amax, both formats, against the fp32 path.
+template <class F>
+struct Fp8Tables16 {
+  struct Table {
+    alignas(64) uint8_t d[64];  // D[k]
+    alignas(64) uint8_t t[64];  // T[k]
+  };
+  Table tab[1025];  // [amax mantissa (10 bits), or 1024 for the 1e-10 clamp]
+  bool ok[1025];    // the step-function shape held while building (it always does; else fp32)
+};
+
+template <class F>
+static const Fp8Tables16<F>& fp8_tables16() {
+  static const Fp8Tables16<F>* tables = [] {
+    auto* t = new Fp8Tables16<F>;
+    for (uint32_t i = 0; i < 1025; ++i) {
+      const float amax = i < 1024 ? bits_f32((127u << 23) | (i << 13)) : 0.0f;
+      const float s1 = bits_f32((f32_bits(fp8_scale<F>(amax)) & 0x007FFFFFu) | (127u << 23));
+      uint8_t d[1024];
+      for (uint32_t m = 0; m < 1024; ++m) {
+        const uint32_t r = round_mag_rne<F::kMbits, F::kBias>(f32_bits(bits_f32((127u << 23) | (m << 13)) / s1));
+        d[m] = static_cast<uint8_t>(r - ((F::kBias - 1) << F::kMbits));
+      }
+      bool ok = true;
+      for (uint32_t k = 0; k < 64; ++k) {
+        const uint8_t base = d[16 * k];
+        uint8_t first = 16;
+        for (uint32_t j = 1; j < 16; ++j) {
+          const uint8_t v = d[16 * k + j];
+          if (v != base && first == 16) first = static_cast<uint8_t>(j);
+          ok = ok && v == (j >= first ? base + 1 : base);
+        }
+        t->tab[i].d[k] = base;
+        t->tab[i].t[k] = first;
+      }
+      t->ok[i] = ok;
+    }
+    return t;
+  }();
+  return *tables;
+}
+
+// One fp16 group's tables (d: D, d + 64: T; nullptr when they do not hold) and K + 112 * 2^M.
+template <class F>
+static inline Fp8Tab fp8_tab16(const Fp8Tables16<F>& t, uint32_t amax_bits, float s) {
+  const uint32_t i = bits_f32(amax_bits) < kAmaxMin ? 1024u : (amax_bits >> 13) & 0x3FFu;
+  const int32_t k = ((F::kBias - 1 + 112) << F::kMbits) - static_cast<int32_t>((f32_bits(s) >> 23) << F::kMbits);
+  return {t.ok[i] ? t.tab[i].d : nullptr, k};
+}
+
+// n (a multiple of 32) fp16 inputs of one group with tables t and scale s (for the fp32 path)
+// to FP8 bytes, 32 a step (above). kPrefetch: as fp8_tab_run.
+template <class F, bool kPrefetch>
+static inline void fp8_tab16_run(const uint16_t* x, int64_t n, Fp8Tab t, float s, uint8_t* out) {
+  constexpr int M = F::kMbits;
+  const __m512 vs = _mm512_set1_ps(s);
+  const auto fp32_path = [&](int64_t i) {
+    for (int64_t h = i; h < i + 32; h += 16)
+      simd::store_bytes(out + h, simd::encode<F, false>(_mm512_div_ps(simd::load<DType::f16>(x + h, 0xFFFF), vs)), 0xFFFF);
+  };
+  if (t.d == nullptr) {
+    for (int64_t i = 0; i < n; i += 32) fp32_path(i);
+    return;
+  }
+  const __m512i dd = _mm512_load_si512(t.d), tt = _mm512_load_si512(t.d + 64);
+  const __m512i k = _mm512_set1_epi16(static_cast<short>(t.k)), one = _mm512_set1_epi16(1);
+  const __m512i low4 = _mm512_set1_epi16(15), emask = _mm512_set1_epi16(static_cast<short>(0x1F << M));
+  const __m512i exp16 = _mm512_set1_epi16(0x7C00), man16 = _mm512_set1_epi16(0x3FF);
+  const __m512i normal_min = _mm512_set1_epi16(1 << M), sub_min = _mm512_set1_epi16(static_cast<short>(-M * (1 << M)));
+  const __m512i sign = _mm512_set1_epi16(0x80);
+  constexpr __mmask64 kLow = 0x5555555555555555ull;
+  for (int64_t i = 0; i < n; i += 32) {
+    if constexpr (kPrefetch) {
+      if ((i & 127) == 0) {
+        const char* ahead = reinterpret_cast<const char*>(x + i) + simd::kPrefetchAhead;
+        for (int b = 0; b < 256; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      }
+    }
+    const __m512i v = _mm512_loadu_si512(x + i);
+    const __m512i idx = _mm512_srli_epi16(v, 4);  // low byte: m >> 4 (vpermb reads 6 bits)
+    const __m512i d = _mm512_maskz_permutexvar_epi8(kLow, idx, dd);
+    const __m512i step = _mm512_maskz_permutexvar_epi8(kLow, idx, tt);
+    const __mmask32 up = _mm512_cmpge_epu16_mask(_mm512_and_si512(v, low4), step);
+    __m512i c = _mm512_add_epi16(_mm512_add_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 10 - M), emask), d), k);
+    c = _mm512_mask_add_epi16(c, up, c, one);
+    const __mmask32 normal = _mm512_test_epi16_mask(v, exp16);  // e > 0 (finite: the group is not poisoned)
+    const __mmask32 low = _mm512_mask_cmplt_epi16_mask(normal, c, normal_min);
+    const __mmask32 sub = _mm512_mask_cmpge_epi16_mask(low, c, sub_min);                // a subnormal target
+    const __mmask32 tiny = _mm512_mask_test_epi16_mask(static_cast<__mmask32>(~normal), v, man16);  // x subnormal
+    if (__builtin_expect((sub | tiny) != 0, 0)) {
+      fp32_path(i);
+      continue;
+    }
+    __m512i r = _mm512_maskz_mov_epi16(normal & static_cast<__mmask32>(~low), c);
+    r = _mm512_ternarylogic_epi32(r, _mm512_srli_epi16(v, 8), sign, 0xF8);  // sign to bit 7
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi16_epi8(r));
+  }
+}
+
+// The group table of an input dtype with tables (bf16: fp8_tab, f16: fp8_tab16), and its run.
+template <DType D, class F>
+static inline Fp8Tab fp8_group_tab(uint32_t amax_bits, float s) {
+  if constexpr (D == DType::f16)
+    return fp8_tab16<F>(fp8_tables16<F>(), amax_bits, s);
+  else
+    return fp8_tab<F>(fp8_tables<F>(), amax_bits, s);
+}
+template <DType D, class F, bool kPrefetch>
+static inline void fp8_group_run(const uint16_t* x, int64_t n, Fp8Tab t, float s, uint8_t* out) {
+  if constexpr (D == DType::f16)
+    fp8_tab16_run<F, kPrefetch>(x, n, t, s, out);
+  else
+    fp8_tab_run<F, kPrefetch>(x, n, t, s, out);
+}
 #else
 constexpr bool kFp8Tables = false;
 template <class F>
@@ -166,4 +296,10 @@ static inline Fp8Tab fp8_tab(const Fp8Tables<F>&, uint32_t, float) {
 }
 template <class F, bool kPrefetch>
 static inline void fp8_tab_run(const uint16_t*, int64_t, Fp8Tab, float, uint8_t*) {}
+template <DType D, class F>
+static inline Fp8Tab fp8_group_tab(uint32_t, float) {
+  return {nullptr, 0};
+}
+template <DType D, class F, bool kPrefetch>
+static inline void fp8_group_run(const uint16_t*, int64_t, Fp8Tab, float, uint8_t*) {}
 #endif
