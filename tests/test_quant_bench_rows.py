@@ -65,3 +65,21 @@ def test_a_static_row_of_another_format_is_refused() -> None:
     x = torch.ones(16, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="needs format 'nvfp4'"):
         cpu_bench.native_call(x, "mxfp4 static", "mxfp4", "1x32", "floor")
+
+
+@pytest.mark.parametrize("row", cpu_bench.FORMATS, ids=[r[0] for r in cpu_bench.FORMATS])
+def test_fp16_bench_rows_time_fp16_inputs(row: tuple[str, str, str, str | None]) -> None:
+    # `quant_bandwidth.py --dtype fp16`: the native row quantizes the fp16 input itself (fp16 has
+    # paths of its own: FP8 by its tables, MX on 16-bit lanes), and every peer it lists runs on it.
+    label, fmt, gran, rule = row
+    if not mq.native_available():
+        pytest.skip("the benches time the native kernels; this build has none")
+    x = (torch.randn(128, 512, generator=torch.Generator().manual_seed(1)) * 3).to(torch.float16)
+    methods = cpu_bench.methods_for(x, label, fmt, gran, rule, [1], False)
+    got = _native(methods).fn()
+    assert isinstance(got, mq.QuantizedTensor)
+    assert got.dtype == torch.float16
+    _assert_same(got, mq.quantize(x, fmt, granularity=gran, scale_rule=rule))
+    for m in methods:
+        m.fn()  # torchao eager refuses fp16 and is left out; the casts read fp16
+    assert not any(m.name == "torchao eager" for m in methods)

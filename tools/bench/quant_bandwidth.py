@@ -3,7 +3,8 @@
 Why: rollout-precision export and online activation quantization sit on the weight-update and
 inference paths, so a quantizer should run near memory speed. This script measures GB/s
 (bytes read + bytes written, per second) for 4096x4096, 8192x7168 and an MoE [E, N, K] weight,
-in bf16, single-threaded and with all threads, and puts side by side in the same run:
+in bf16 (or fp16: ``--dtype fp16``), single-threaded and with all threads, and puts side by side
+in the same run:
 
 - miles-quant native (fused amax + scale + cast + pack, writing into preallocated outputs with
   ``quantize(..., out=q)``), and optionally its PyTorch reference (same bits);
@@ -23,6 +24,7 @@ both). It gives ratios to memcpy (same thread count) and to torchao.
 Laptop:   python tools/bench/quant_bandwidth.py                # all shapes, ~3-6 min on 2 cores
           python tools/bench/quant_bandwidth.py --quick        # 4096x4096 only, ~1 min
           python tools/bench/quant_bandwidth.py --json out.json --repeat 5
+          python tools/bench/quant_bandwidth.py --dtype fp16 --threads 1   # fp16 inputs
 Cluster:  CPU only (the CUDA kernels are checked by tools/gpu_checks/quant_cuda_check.sh).
 """
 
@@ -43,6 +45,7 @@ import torch
 import miles_quant as mq
 
 SHAPES = {"4096x4096": (4096, 4096), "8192x7168": (8192, 7168), "moe8x2048x7168": (8, 2048, 7168)}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (label, format, granularity, scale rule)
 FORMATS = [
     ("fp8_e4m3 tensor", "fp8_e4m3", "tensor", None),
@@ -103,6 +106,21 @@ def _torchao() -> tuple[Callable[..., object], Callable[..., object], Callable[.
     return mx, nvfp4, per_tensor_amax_to_scale
 
 
+def _torchao_takes(ao: tuple[Callable[..., object], ...], fmt: str, dtype: torch.dtype) -> bool:
+    """Whether torchao's eager quantizer of fmt takes inputs of dtype (a 128x128 probe)."""
+    mx, nvfp4, _ = ao
+    probe = torch.ones(128, 128, dtype=dtype)
+    elem = {"mxfp4": torch.float4_e2m1fn_x2, "mxfp8_e4m3": torch.float8_e4m3fn}.get(fmt)
+    elem = elem or torch.float8_e5m2
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            nvfp4(probe) if fmt == "nvfp4" else mx(probe, elem, "floor")
+    except Exception:
+        return False
+    return True
+
+
 def _modelopt_nvfp4() -> Callable[[torch.Tensor], object] | None:
     """ModelOpt's NVFP4 quantizer (real quantization, pure torch), if installed."""
     try:
@@ -124,7 +142,8 @@ def _ml_dtypes_cast(x: torch.Tensor, fmt: str) -> Callable[[], object] | None:
     target |= {"mxfp8_e4m3": ml_dtypes.float8_e4m3fn, "mxfp4": ml_dtypes.float4_e2m1fn}
     if fmt not in target:
         return None
-    src = x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    view = ml_dtypes.bfloat16 if x.dtype == torch.bfloat16 else np.float16
+    src = x.view(torch.int16).numpy().view(view)
     dst = np.empty(src.shape, dtype=target[fmt])
     return lambda: np.copyto(dst, src, casting="unsafe")
 
@@ -187,8 +206,9 @@ def methods_for(
         else:
             elem = torch.float4_e2m1fn_x2 if fmt == "mxfp4" else el.torch_dtype  # type: ignore[union-attr]
             fn = functools.partial(mx, x2, elem, rule or "floor")
-        for t in threads:
-            ms.append(Method("torchao eager", t, fn, moved, slow_peer=True))
+        if _torchao_takes(ao, fmt, x.dtype):
+            for t in threads:
+                ms.append(Method("torchao eager", t, fn, moved, slow_peer=True))
     modelopt = _modelopt_nvfp4() if fmt == "nvfp4" and not static else None
     if modelopt is not None:
         x2 = x.reshape(-1, x.shape[-1])
@@ -204,7 +224,7 @@ def memcpy_methods(x: torch.Tensor, threads: list[int]) -> list[Method]:
 
 def run_shape(shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, object]:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=g).to(torch.bfloat16)
+    x = torch.randn(shape, generator=g).to(DTYPES[args.dtype])
     threads = sorted({1, args.threads})
     formats = [f for f in FORMATS if not args.formats or f[1] in args.formats]
     per_format = {label: methods_for(x, label, f, gr, r, threads, args.reference)
@@ -226,7 +246,7 @@ def run_shape(shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, obj
                 m.fn()
                 m.times.append(time.perf_counter() - t0)
     torch.set_num_threads(args.threads)
-    out: dict[str, object] = {"shape": list(shape)}
+    out: dict[str, object] = {"shape": list(shape), "dtype": args.dtype}
     for stat in ("best", "median"):
         rows = {label: {f"{m.name} {m.threads}t": m.gbps(stat) for m in ms}
                 for label, ms in per_format.items()}  # fmt: skip
@@ -238,7 +258,8 @@ def print_table(res: dict[str, object], threads: list[int], stat: str) -> None:
     shape = "x".join(str(s) for s in res["shape"])  # type: ignore[attr-defined]
     mc: dict[int, float] = res[stat]["memcpy"]  # type: ignore[index]
     memcpy = ", ".join(f"{t}t {v:.1f} GB/s" for t, v in mc.items())
-    print(f"\n### {shape} bf16 ({stat} of the repeats)   memcpy: {memcpy}")
+    dtype = res.get("dtype", "bf16")  # type: ignore[attr-defined]
+    print(f"\n### {shape} {dtype} ({stat} of the repeats)   memcpy: {memcpy}")
     t1 = threads[0]
     ts = threads if len(threads) == 1 else [threads[0], threads[-1]]  # --threads 1: one column each
     cols = [*(f"native {t}t" for t in ts), f"torch cast {t1}t", f"ml_dtypes cast {t1}t",
@@ -271,6 +292,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--quick", action="store_true", help="4096x4096 only")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="input dtype")
     p.add_argument("--formats", nargs="*", default=[], help="format names (default: all)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="'all threads'")
     p.add_argument("--repeat", type=int, default=3, help="interleaved repeats")
