@@ -10,10 +10,11 @@
 //       tools/bench/quant_fp8_tables_probe.cpp -o /tmp/fp8probe && /tmp/fp8probe
 #include <immintrin.h>
 
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
+
+#include "quant_probe_timer.h"
 #define MQ_CPU_NS avx512vbmi
 #include "miles_quant/cpu_kernels.h"
 #include "avx512_kernels.h"
@@ -57,24 +58,9 @@ void time_l1(const char* name) {
   const uint32_t amax = (0x3f00u + 299u) << 16;
   const float s = fp8_scale<F>(bits_f32(amax));
   const Fp8Tab tab = fp8_tab<F>(fp8_tables<F>(), amax, s);
-  constexpr int kReps = 20000;
-  for (int r = 0; r < 3; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int k = 0; k < kReps; ++k) {
-      fp8_run_v<DType::bf16, F>(x.data(), 4096, s, out.data());
-      asm volatile("" ::: "memory");
-    }
-    const auto t1 = std::chrono::steady_clock::now();
-    for (int k = 0; k < kReps; ++k) {
-      fp8_tab_run<F, false>(x.data(), 4096, tab, s, out.data());
-      asm volatile("" ::: "memory");
-    }
-    const auto t2 = std::chrono::steady_clock::now();
-    const double n = 4096.0 * kReps;
-    std::printf("%s in L1: fp32 path %.3f ns/el, tables %.3f ns/el\n", name,
-                std::chrono::duration<double, std::nano>(t1 - t0).count() / n,
-                std::chrono::duration<double, std::nano>(t2 - t1).count() / n);
-  }
+  time_paths_l1(
+      name, 4096.0, 20000, [&] { fp8_run_v<DType::bf16, F>(x.data(), 4096, s, out.data()); },
+      [&] { fp8_tab_run<F, false>(x.data(), 4096, tab, s, out.data()); });
 }
 
 int main() {
