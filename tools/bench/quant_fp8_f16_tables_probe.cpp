@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "quant_probe_timer.h"
+#include "quant_probe_util.h"
 #define MQ_CPU_NS avx512vbmi
 #include "miles_quant/cpu_kernels.h"
 #include "avx512_kernels.h"
@@ -51,14 +51,7 @@ uint64_t check(const char* name, uint64_t* checked, uint64_t* lanes) {
   for (int i = 0; i < 1025; ++i)
     if (!tables.ok[i] && bad++ < 10) std::printf("%s table %d: not a step function with rises >= 16 apart\n", name, i);
   for (uint32_t ab = 0; ab < 0x7C00u; ++ab) {  // every finite non-negative fp16 amax
-    xs.clear();
-    for (uint32_t b = 0; b <= ab; ++b) {
-      xs.push_back(static_cast<uint16_t>(b));
-      xs.push_back(static_cast<uint16_t>(b | 0x8000u));
-    }
-    while (xs.size() % 32) xs.push_back(0);
-    want.assign(xs.size(), 0);
-    got.assign(xs.size(), 0);
+    inputs_up_to(ab, &xs, &want, &got);
     const float a = f16_to_f32(static_cast<uint16_t>(ab));
     const uint32_t amax = f32_bits(a);
     const float s = fp8_scale<F>(a);

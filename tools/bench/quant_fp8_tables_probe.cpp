@@ -14,7 +14,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "quant_probe_timer.h"
+#include "quant_probe_util.h"
 #define MQ_CPU_NS avx512vbmi
 #include "miles_quant/cpu_kernels.h"
 #include "avx512_kernels.h"
@@ -29,14 +29,7 @@ uint64_t check(const char* name, uint64_t* checked) {
   std::vector<uint8_t> want, got;
   uint64_t bad = 0;
   for (uint32_t ab = 0; ab < 0x7F80u; ++ab) {  // every finite non-negative bf16 amax
-    xs.clear();
-    for (uint32_t b = 0; b <= ab; ++b) {
-      xs.push_back(static_cast<uint16_t>(b));
-      xs.push_back(static_cast<uint16_t>(b | 0x8000u));
-    }
-    while (xs.size() % 32) xs.push_back(0);
-    want.assign(xs.size(), 0);
-    got.assign(xs.size(), 0);
+    inputs_up_to(ab, &xs, &want, &got);
     const uint32_t amax = ab << 16;
     const float s = fp8_scale<F>(bits_f32(amax));
     const int64_t n = static_cast<int64_t>(xs.size());
