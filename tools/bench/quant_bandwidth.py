@@ -56,6 +56,8 @@ FORMATS = [
     ("mxfp4 floor", "mxfp4", "1x32", "floor"),
     ("nvfp4 1x16", "nvfp4", "1x16", None),
     ("nvfp4 1x16 static", "nvfp4", "1x16", None),  # a given global scale (global_scale=)
+    ("nvfp4 16x16", "nvfp4", "16x16", None),  # 2-D weight scaling (no torchao / ModelOpt peer)
+    ("nvfp4 16x16 static", "nvfp4", "16x16", None),
     ("int4_g128", "int4_g128", "1x128", None),
 ]
 
@@ -154,7 +156,7 @@ def native_call(
     """A first result of one bench row on x (the `out=` buffer of the timed calls) and the
     quantize() keywords of its timed calls. A label ending in "static" (NVFP4) passes the global
     scale that first call computed, as a calibrated input_scale: same bits, no amax pass."""
-    stacked = x.dim() == 3 and gran in ("tensor", "1x16")
+    stacked = x.dim() == 3 and gran in ("tensor", "1x16", "16x16")
     kw: dict[str, object] = {"granularity": gran, "scale_rule": rule, "stacked": stacked, **extra}
     q = mq.quantize(x, fmt, **kw)  # type: ignore[arg-type]
     if label.endswith("static"):
@@ -197,7 +199,7 @@ def methods_for(
     if cast is not None:
         ms.append(Method("ml_dtypes cast", 1, cast, x.nbytes + x.numel(), slow_peer=True))
     ao = _torchao()
-    if ao is not None and mq.FORMATS[fmt].family in ("mx", "nvfp4"):
+    if ao is not None and mq.FORMATS[fmt].family in ("mx", "nvfp4") and gran != "16x16":
         mx, nvfp4, _ = ao
         x2 = x.reshape(-1, x.shape[-1])
         if fmt == "nvfp4":
@@ -209,7 +211,7 @@ def methods_for(
         if _torchao_takes(ao, fmt, x.dtype):
             for t in threads:
                 ms.append(Method("torchao eager", t, fn, moved, slow_peer=True))
-    modelopt = _modelopt_nvfp4() if fmt == "nvfp4" and not static else None
+    modelopt = _modelopt_nvfp4() if fmt == "nvfp4" and gran == "1x16" and not static else None
     if modelopt is not None:
         x2 = x.reshape(-1, x.shape[-1])
         for t in threads:

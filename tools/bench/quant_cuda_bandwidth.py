@@ -48,7 +48,7 @@ def methods_for(x: torch.Tensor, label: str, fmt: str, gran: str, rule: str | No
         dst = torch.empty(x.shape, dtype=el.torch_dtype, device=x.device)
         ms.append(Method("torch cast", 1, functools.partial(dst.copy_, x), x.nbytes + dst.nbytes))
     ao = _torchao()
-    if ao is not None and mq.FORMATS[fmt].family in ("mx", "nvfp4"):
+    if ao is not None and mq.FORMATS[fmt].family in ("mx", "nvfp4") and gran != "16x16":
         mx, nvfp4, _ = ao
         x2 = x.reshape(-1, x.shape[-1])
         if fmt == "nvfp4":
