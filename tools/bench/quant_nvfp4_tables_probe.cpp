@@ -3,7 +3,8 @@
 // nvfp4_block_code (contract.h) for every finite bf16 block amax, up to the tensor amax and
 // above it (a given global scale, quantize(..., global_scale=), saturates those). Which given
 // scales take the tables: nvfp4_tables_cover holds for the global scale of every finite bf16
-// tensor amax and for no fp32 value one ulp away from one. Elements:
+// tensor amax and for no fp32 value one ulp away from one; nvfp4_tables_for's copies equal
+// nvfp4_build_tables for each of those scales. Elements:
 // nvfp4_elements256_tab's bytes equal the fp32
 // path's (nvfp4_elements256: encode_E2M1(x * factor) with a vmulps, itself tested against the
 // PyTorch reference) for every non-NaN bf16 input x, every block scale code 8..126 (2^-6..448,
@@ -42,6 +43,33 @@ int main() {
   }
   std::printf("nvfp4_tables_cover wrong: %llu of %llu\n", static_cast<unsigned long long>(cover_bad),
               static_cast<unsigned long long>(cover_checked));
+
+  // nvfp4_tables_for (the per-mantissa tables, copied and patched for the exponent) against
+  // nvfp4_build_tables, field by field, for the global scale of every finite bf16 amax.
+  uint64_t for_bad = 0, for_checked = 0;
+  {
+    Nvfp4Tables built, got;
+    for (uint32_t h = 0; h < 0x7F80u; ++h) {
+      const float sg = nvfp4_global_scale(bits_f32(h << 16));
+      nvfp4_build_tables(sg, &built);
+      ++for_checked;
+      bool same = nvfp4_tables_for(sg, &got);
+      same = same && std::memcmp(built.t, got.t, sizeof(built.t)) == 0 && std::memcmp(built.bs, got.bs, sizeof(built.bs)) == 0;
+      same = same && built.k_g == got.k_g && built.one == got.one;
+      for (int j = 0; j < 8; ++j) same = same && built.cj[j] == got.cj[j] && built.bj[j] == got.bj[j] && built.cb[j] == got.cb[j];
+      if (built.one) same = same && std::memcmp(built.a, got.a, 128) == 0 && std::memcmp(built.g, got.g, 128) == 0;
+      if (!same && for_bad++ < 10) std::printf("nvfp4_tables_for: the scale of %04x differs from nvfp4_build_tables\n", h);
+    }
+    // A scale the tables do not cover is refused.
+    for (const uint32_t h : {0x3F80u, 0x4321u, 0x0101u}) {
+      const float sg = nvfp4_global_scale(bits_f32(h << 16));
+      ++for_checked;
+      if (nvfp4_tables_for(bits_f32(f32_bits(sg) + 1u), &got) && for_bad++ < 10)
+        std::printf("nvfp4_tables_for: took a scale one ulp above that of %04x\n", h);
+    }
+  }
+  std::printf("nvfp4_tables_for wrong: %llu of %llu\n", static_cast<unsigned long long>(for_bad),
+              static_cast<unsigned long long>(for_checked));
 
   std::vector<uint16_t> xs;
   for (uint32_t b = 0; b < 65536; ++b)
@@ -148,5 +176,5 @@ int main() {
                 std::chrono::duration<double, std::nano>(t2 - t1).count() / el,
                 std::chrono::duration<double, std::nano>(t3 - t2).count() / el);
   }
-  return bad == 0 && bad_codes == 0 ? 0 : 1;
+  return bad == 0 && bad_codes == 0 && for_bad == 0 && cover_bad == 0 ? 0 : 1;
 }

@@ -190,13 +190,13 @@ template <bool Given>
 static void nvfp4_tile_row16_tab(const Nvfp4Args&, int64_t, const Nvfp4Tables&) {}
 #endif
 
-// The mantissa tables of one matrix at a time, rebuilt when the matrix changes. get(a, b): the
+// The mantissa tables of one matrix at a time, fetched when the matrix changes. get(a, b): the
 // tables for matrix b, or nullptr when they do not hold for its global scale (a computed one
 // always is one the tables were proven for; a given one only when some bf16 tensor amax gives
-// it, nvfp4_tables_cover): the fp32 path then, same bits. The tables depend on the global scale
-// alone, and building them (about 2 us) costs more than a one-token call's elements, so each
-// thread keeps the last tables it built: calls with the same scale (a static scale, the case of
-// activations in inference) copy them instead (docs/benchmarks.md, "the cost of a small call").
+// it, nvfp4_tables_cover): the fp32 path then, same bits. They come from the tables of the
+// scale's mantissa, built once per process (nvfp4_tables_for: a copy and three patched fields,
+// about 0.1 us; building them took about 2 us, more than a one-token call's elements, and a
+// dynamic call meets a new scale with every tensor: docs/benchmarks.md, "the cost of a small call").
 struct Nvfp4MatrixTables {
   Nvfp4Tables tables;
   int64_t matrix = -1;
@@ -204,24 +204,7 @@ struct Nvfp4MatrixTables {
   const Nvfp4Tables* get(const Nvfp4Args& a, int64_t b) {
     if (matrix != b) {
       matrix = b;
-      const float g = a.global_scale[b];
-      ok = !a.given_scale || nvfp4_tables_cover(g);
-      if (ok) {
-        struct Last {
-          uint32_t scale_bits = 0;
-          bool valid = false;
-          Nvfp4Tables tables;
-        };
-        static thread_local Last last;
-        if (last.valid && last.scale_bits == f32_bits(g)) {
-          tables = last.tables;
-        } else {
-          nvfp4_build_tables(g, &tables);
-          last.tables = tables;
-          last.scale_bits = f32_bits(g);
-          last.valid = true;
-        }
-      }
+      ok = nvfp4_tables_for(a.global_scale[b], &tables);
     }
     return ok ? &tables : nullptr;
   }
