@@ -7,7 +7,8 @@
 // - factor = fl(inv / dec(c)) with inv = fl(1 / s_g) and dec(c) = (1 + j/8) * 2^E, j = c & 7
 //   (block scales are clamped to [2^-6, 448]: always normal). Dividing by 2^E is exact scaling,
 //   so factor's mantissa is that of fl(inv / (1 + j/8)): 8 possible mantissas per matrix, and
-//   8 tables of 128 bytes, built per matrix (nvfp4_build_tables; 1024 fp32 products).
+//   8 tables of 128 bytes (nvfp4_build_tables; 1024 fp32 products), built once per process for
+//   each of the mantissas a global scale can have and patched for its exponent (nvfp4_tables_for).
 // - For a normal bf16 x = (1 + m/128) * 2^(e - 127), fl(x * factor) = P_m * 2^(e - 127 + F - 127)
 //   with P_m = fl((1 + m/128) * f1), f1 = factor with its exponent field set to 127, and F the
 //   exponent field of factor (exact scaling while the product is a normal fp32; a smaller one
