@@ -133,17 +133,21 @@ static inline void nvfp4_build_tables(float s_g, Nvfp4Tables* out) {
     out->cb[j] = (static_cast<uint32_t>(out->cj[j]) & 0xFFu) | (static_cast<uint32_t>(out->bj[j]) << 8);
 }
 
-// Whether the tables hold for the global scale s_g: whether s_g is nvfp4_global_scale(A) for a
-// finite bf16 A >= 0 (the 1e-10 clamp included), the scales quant_nvfp4_tables_probe.cpp
-// covers. Always so for a computed scale; a given one (Nvfp4Args::given_scale) is checked.
-static inline bool nvfp4_tables_cover(float s_g) {
-  if (f32_bits(s_g) == f32_bits(nvfp4_global_scale(0.0f))) return true;
+// Which bf16 amax mantissa the global scale s_g comes from (0..127, or 128 for the 1e-10 clamp),
+// or -1 when s_g is no nvfp4_global_scale(A) of a finite bf16 A >= 0.
+static inline int nvfp4_covered_mantissa(float s_g) {
+  if (f32_bits(s_g) == f32_bits(nvfp4_global_scale(0.0f))) return 128;
   // s_g * 2688 is within two fp32 ulps of A: truncated to bf16 it is A or the bf16 below it.
   const uint32_t a = f32_bits(s_g * kNvfp4GlobalDivisor) & 0xFFFF0000u;
   for (const uint32_t c : {a, a + 0x10000u})
-    if (c < kF32InfBits && f32_bits(nvfp4_global_scale(bits_f32(c))) == f32_bits(s_g)) return true;
-  return false;
+    if (c < kF32InfBits && f32_bits(nvfp4_global_scale(bits_f32(c))) == f32_bits(s_g)) return static_cast<int>((c >> 16) & 0x7Fu);
+  return -1;
 }
+
+// Whether the tables hold for the global scale s_g: whether s_g is nvfp4_global_scale(A) for a
+// finite bf16 A >= 0 (the 1e-10 clamp included), the scales quant_nvfp4_tables_probe.cpp
+// covers. Always so for a computed scale; a given one (Nvfp4Args::given_scale) may not be.
+static inline bool nvfp4_tables_cover(float s_g) { return nvfp4_covered_mantissa(s_g) >= 0; }
 
 // The tables of a global scale the tables cover (nvfp4_tables_cover), without building them:
 // everything in them but C's constant and K_g depends on s_g's mantissa alone (1 / s_g, the
@@ -174,14 +178,8 @@ static inline const Nvfp4TablesByMantissa& nvfp4_tables_by_mantissa() {
 // nvfp4_build_tables(s_g, out) for a covered s_g, from nvfp4_tables_by_mantissa; false (out
 // untouched) when s_g is not covered.
 static inline bool nvfp4_tables_for(float s_g, Nvfp4Tables* out) {
-  uint32_t i = 128;
-  if (f32_bits(s_g) != f32_bits(nvfp4_global_scale(0.0f))) {
-    const uint32_t a = f32_bits(s_g * kNvfp4GlobalDivisor) & 0xFFFF0000u;  // as nvfp4_tables_cover
-    i = 129;
-    for (const uint32_t c : {a, a + 0x10000u})
-      if (c < kF32InfBits && f32_bits(nvfp4_global_scale(bits_f32(c))) == f32_bits(s_g)) i = (c >> 16) & 0x7Fu;
-    if (i == 129) return false;
-  }
+  const int i = nvfp4_covered_mantissa(s_g);
+  if (i < 0) return false;
   const Nvfp4TablesByMantissa& all = nvfp4_tables_by_mantissa();
   *out = all.t[i];
   const int32_t k = static_cast<int32_t>(f32_bits(s_g) >> 23) - static_cast<int32_t>(all.e[i]);
