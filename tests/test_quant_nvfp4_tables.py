@@ -12,6 +12,12 @@ gives), and the element bytes against the fp32 path for every non-NaN bf16 input
 block scale code and every global-scale mantissa a bf16 tensor can have, through the one-table
 loop where a global scale has one (tools/gen_nvfp4_embeddings.py) and through the 8 tables for
 every scale (7.7 billion bytes).
+
+fp16 inputs take tables of another shape (native/quant/src/avx512_nvfp4_tables16.h: a step
+function of the 10 mantissa bits, two 64-byte lookups per 32 inputs);
+tools/bench/quant_nvfp4_f16_tables_probe.cpp checks which global scales take them, the cached
+per-mantissa tables against a fresh build, and the element bytes against the fp32 path for
+every finite fp16 input, every block scale code and 3,071 global scales (11.6 billion bytes).
 """
 
 from __future__ import annotations
@@ -31,3 +37,12 @@ def test_nvfp4_tables_equal_the_fp32_path_exhaustively(tmp_path: Path) -> None:
     # 118 of the 128 tensor-amax mantissas, at each of the probe's 8 exponents, take the one table
     # (avx512_nvfp4_embeddings.inc); a wrong entry there is rejected and lowers this count.
     assert "global scales with one table: 944 of 1025" in out, out
+
+
+def test_nvfp4_f16_tables_equal_the_fp32_path_exhaustively(tmp_path: Path) -> None:
+    out = run_probe("quant_nvfp4_f16_tables_probe.cpp", (*AVX512, "avx512vbmi"), tmp_path)
+    # The scale of every finite non-zero fp16 amax is covered, nothing one ulp off one is.
+    assert "nvfp4_covered_mantissa16 wrong: 0 of 95230" in out, out
+    assert "nvfp4_tab16_for wrong: 0 of 31743 (tables without the step shape: 0)" in out, out
+    want = "mismatching bytes: 0 of 11600813056 (finite fp16 inputs x block codes x 3071 global"
+    assert want in out, out

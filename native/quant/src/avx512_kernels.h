@@ -20,8 +20,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <iterator>
+#include <type_traits>
 
 namespace miles_quant {
 namespace cpu {

@@ -86,7 +86,8 @@ static inline void nvfp4_elements256(const typename In<D>::T* x, __m512 factor, 
   }
 }
 
-#include "avx512_nvfp4_tables.h"  // kNvfp4Tables, nvfp4_elements256_tab (VBMI builds)
+#include "avx512_nvfp4_tables.h"    // kNvfp4Tables, nvfp4_elements256_tab (VBMI builds)
+#include "avx512_nvfp4_tables16.h"  // nvfp4_elements256_tab16 (fp16 inputs, VBMI builds)
 
 // Rows the 1x16 kernel interleaves, batch by batch: two streams through memory keep more lines
 // in flight than one (8192x7168 bf16: 0.21 ns per element against 0.24); 4, 6 or 8 were slower
@@ -96,14 +97,17 @@ constexpr int kNvfp4Streams = 2;
 // The whole batches of 1x16 rows r[0, n), n <= kNvfp4Streams, interleaved batch by batch. Each
 // row is software-pipelined: the next batch's amax and scales (a chain of three divisions) are
 // computed before this batch's elements, which hide its latency. Tab: block codes and elements
-// by the mantissa tables (bf16 with kNvfp4Tables), tables[k] those of row k's matrix; else the
-// fp32 path (tables unused). Given: the global scale was given, so single blocks may be poisoned
-// (with a computed one nothing is, and the dynamic call skips those checks).
+// by the mantissa tables (bf16 with kNvfp4Tables), or the elements by them (fp16: the block
+// codes and factors stay the fp32 path's), tables[k] those of row k's matrix; else the fp32 path
+// (tables unused). Given: the global scale was given, so single blocks may be poisoned (with a
+// computed one nothing is, and the dynamic call skips those checks).
+template <DType D>
+using Nvfp4TabOf = std::conditional_t<D == DType::f16, Nvfp4Tab16, Nvfp4Tables>;
 template <DType D, bool Tab, bool Given>
-static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const Nvfp4Tables* const* tables) {
+static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const Nvfp4TabOf<D>* const* tables) {
   using T = typename In<D>::T;
-  constexpr bool kTab = Tab;
-  static_assert(!Tab || (D == DType::bf16 && kNvfp4Tables), "the tables take bf16 inputs on VBMI builds");
+  constexpr bool kTab = Tab && D == DType::bf16, kTab16 = Tab && D == DType::f16;
+  static_assert(!Tab || (D != DType::f32 && kNvfp4Tables), "the tables take bf16 and fp16 inputs on VBMI builds");
   const int64_t R = a.rows, C = a.cols, nc = (C + 15) / 16, out_stride = (C + 1) / 2;
   const int64_t batches = C / 256;
   struct Row {
@@ -112,7 +116,7 @@ static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const N
     uint8_t* out;
     __m512 sg, inv, f;  // the fp32 path: global scale, its inverse, the batch's element factors
     __m512i k;          // the tables: the batch's nvfp4_block_kk
-    const Nvfp4Tables* tables;
+    const Nvfp4TabOf<D>* tables;
   };
   // The first half of batch q of row w (its scales), and the second (its elements).
   const auto scales = [](Row& w, int64_t q, __m512* f, __m512i* k) {
@@ -124,6 +128,8 @@ static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const N
   const auto elements = [](const Row& w, int64_t q) {
     if constexpr (kTab)
       nvfp4_elements256_tab(w.x + q * 256, w.k, w.scales + q * 16, *w.tables, w.out + q * 128);
+    else if constexpr (kTab16)
+      nvfp4_elements256_tab16(w.x + q * 256, w.f, w.scales + q * 16, *w.tables, w.out + q * 128);
     else
       nvfp4_elements256<D>(w.x + q * 256, w.f, w.out + q * 128);
     if constexpr (Given) nvfp4_zero_poisoned(w.scales + q * 16, w.out + q * 128);
@@ -185,9 +191,41 @@ static void nvfp4_tile_row16_tab(const Nvfp4Args& a, int64_t r0, const Nvfp4Tabl
     }
   }
 }
+
+// The same for fp16 inputs: the tiles' codes and factors by the fp32 path (nvfp4_codes), each
+// row's elements by nvfp4_elements256_tab16.
+template <bool Given>
+static void nvfp4_tile_row16_tab16(const Nvfp4Args& a, int64_t r0, const Nvfp4Tab16& t) {
+  const int64_t C = a.cols, nc = (C + 15) / 16, out_stride = (C + 1) / 2;
+  const auto* x = static_cast<const uint16_t*>(a.x) + r0 * C;
+  const __m512i abs = _mm512_set1_epi16(0x7FFF);
+  const float g = a.global_scale[r0 / a.rows];
+  const __m512 sg = _mm512_set1_ps(g), inv = _mm512_set1_ps(1.0f / g);
+  for (int64_t q = 0; q < C / 256; ++q) {
+    __m512i h[8];
+    for (int j = 0; j < 8; ++j) h[j] = _mm512_setzero_si512();
+    for (int64_t r = 0; r < 16; ++r) {
+      const uint16_t* p = x + r * C + q * 256;
+      for (int64_t b = 0; b < 512; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kTileRowAhead) + b, _MM_HINT_T1);
+      for (int j = 0; j < 8; ++j) h[j] = _mm512_max_epu16(h[j], _mm512_and_si512(_mm512_loadu_si512(p + 32 * j), abs));
+    }
+    const __m512 amax = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(block16_amax_halves(h)));
+    __m512 factor;
+    const __m128i codes = _mm512_cvtepi32_epi8(nvfp4_codes(_mm512_castps_si512(amax), sg, inv, &factor));
+    for (int64_t r = 0; r < 16; ++r) {
+      uint8_t* sc = a.scales + (r0 + r) * nc + q * 16;
+      uint8_t* out = a.out + (r0 + r) * out_stride + q * 128;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(sc), codes);
+      nvfp4_elements256_tab16(x + r * C + q * 256, factor, sc, t, out);
+      if constexpr (Given) nvfp4_zero_poisoned(sc, out);
+    }
+  }
+}
 #else
 template <bool Given>
 static void nvfp4_tile_row16_tab(const Nvfp4Args&, int64_t, const Nvfp4Tables&) {}
+template <bool Given>
+static void nvfp4_tile_row16_tab16(const Nvfp4Args&, int64_t, const Nvfp4Tab16&) {}
 #endif
 
 // The mantissa tables of one matrix at a time, fetched when the matrix changes. get(a, b): the
@@ -197,14 +235,19 @@ static void nvfp4_tile_row16_tab(const Nvfp4Args&, int64_t, const Nvfp4Tables&) 
 // scale's mantissa, built once per process (nvfp4_tables_for: a copy and three patched fields,
 // about 0.1 us; building them took about 2 us, more than a one-token call's elements, and a
 // dynamic call meets a new scale with every tensor: docs/benchmarks.md, "the cost of a small call").
+// fp16 (Nvfp4Tab16): the scale must be one of a finite, non-zero fp16 amax (nvfp4_tab16_for).
+template <DType D>
 struct Nvfp4MatrixTables {
-  Nvfp4Tables tables;
+  Nvfp4TabOf<D> tables;
   int64_t matrix = -1;
   bool ok = false;
-  const Nvfp4Tables* get(const Nvfp4Args& a, int64_t b) {
+  const Nvfp4TabOf<D>* get(const Nvfp4Args& a, int64_t b) {
     if (matrix != b) {
       matrix = b;
-      ok = nvfp4_tables_for(a.global_scale[b], &tables);
+      if constexpr (D == DType::f16)
+        ok = nvfp4_tab16_for(a.global_scale[b], &tables);
+      else
+        ok = nvfp4_tables_for(a.global_scale[b], &tables);
     }
     return ok ? &tables : nullptr;
   }
@@ -220,17 +263,17 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
   // Stream k keeps the mantissa tables of the matrix its rows are in (rebuilt when that changes).
   const bool batched = tr == 1 && C >= 256;
   if (batched) {
-    Nvfp4MatrixTables tables[kNvfp4Streams];
+    Nvfp4MatrixTables<D> tables[kNvfp4Streams];
     const int64_t g = (t1 - t0 + kNvfp4Streams - 1) / kNvfp4Streams;
     for (int64_t i = 0; i < g; ++i) {
       int64_t r[kNvfp4Streams], rf[kNvfp4Streams];
-      const Nvfp4Tables* tab[kNvfp4Streams];
+      const Nvfp4TabOf<D>* tab[kNvfp4Streams];
       int n = 0, nf = 0;  // rows by the tables, rows by the fp32 path
       for (int k = 0; k < kNvfp4Streams; ++k) {
         const int64_t row = t0 + k * g + i;
         if (row >= t1 || is_poisoned(gamax[row / R])) continue;
-        if constexpr (D == DType::bf16 && kNvfp4Tables) {
-          if (const Nvfp4Tables* t = tables[k].get(a, row / R)) {
+        if constexpr (D != DType::f32 && kNvfp4Tables) {
+          if (const Nvfp4TabOf<D>* t = tables[k].get(a, row / R)) {
             r[n] = row;
             tab[n++] = t;
             continue;
@@ -238,7 +281,7 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
         }
         rf[nf++] = row;
       }
-      if constexpr (D == DType::bf16 && kNvfp4Tables) {
+      if constexpr (D != DType::f32 && kNvfp4Tables) {
         if (n > 0) (a.given_scale ? nvfp4_row_group<D, true, true> : nvfp4_row_group<D, true, false>)(a, r, n, tab);
       }
       if (nf > 0) (a.given_scale ? nvfp4_row_group<D, false, true> : nvfp4_row_group<D, false, false>)(a, rf, nf, tab);
@@ -247,7 +290,7 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
   __m512i m[16];
   alignas(64) float factor[16];
   alignas(64) uint32_t codes[16];
-  [[maybe_unused]] Nvfp4MatrixTables tile_tables;  // 16x16 (bf16, VBMI)
+  [[maybe_unused]] Nvfp4MatrixTables<D> tile_tables;  // 16x16 (bf16 and fp16, VBMI)
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t b = t / nr, i = t % nr;
     const int64_t r0 = b * R + i * tr, r1 = b * R + lo(R, (i + 1) * tr);
@@ -261,10 +304,13 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
     const __m512 sg = _mm512_set1_ps(a.global_scale[b]);
     const __m512 inv = _mm512_set1_ps(1.0f / a.global_scale[b]);
     int64_t jb = batched ? C / 256 * 16 : 0;  // the blocks the batched loops did not take
-    if constexpr (D == DType::bf16 && kNvfp4Tables) {
+    if constexpr (D != DType::f32 && kNvfp4Tables) {
       if (tr == 16 && r1 - r0 == 16 && C >= 256) {
-        if (const Nvfp4Tables* tt = tile_tables.get(a, b)) {
-          (a.given_scale ? nvfp4_tile_row16_tab<true> : nvfp4_tile_row16_tab<false>)(a, r0, *tt);
+        if (const Nvfp4TabOf<D>* tt = tile_tables.get(a, b)) {
+          if constexpr (D == DType::f16)
+            (a.given_scale ? nvfp4_tile_row16_tab16<true> : nvfp4_tile_row16_tab16<false>)(a, r0, *tt);
+          else
+            (a.given_scale ? nvfp4_tile_row16_tab<true> : nvfp4_tile_row16_tab<false>)(a, r0, *tt);
           jb = C / 256 * 16;
         }
       }
