@@ -5,6 +5,10 @@
 //   and every fp32 value one ulp away from a covered scale.
 // - nvfp4_tab16_for's view (the mantissa's tables, built once, with F_j patched for the
 //   exponent) equals nvfp4_build_tables16 for each covered scale.
+// - Block scales: nvfp4_block_codes_tab16 equals nvfp4_block_code (contract.h) for every finite
+//   fp16 block amax (above the tensor amax too: a given global scale, quantize(...,
+//   global_scale=), saturates those), and gives the NaN code for Inf and NaN with Given, under
+//   the 3,071 global scales below.
 // - Elements: nvfp4_elements256_tab16's bytes equal the fp32 path's (nvfp4_elements256<f16>:
 //   encode_E2M1(x * factor) with a vmulps, itself tested against the PyTorch reference) for
 //   every finite fp16 input x, every block scale code 8..126 (16 different codes per batch of 16
@@ -61,6 +65,8 @@ int main() {
     Nvfp4Tab16 got;
     ++for_checked;
     bool same = nvfp4_tab16_for(sg, &got) && std::memcmp(got.dt, built.dt, sizeof(built.dt)) == 0;
+    same = same && std::memcmp(got.bs, built.bs, sizeof(built.bs)) == 0;
+    same = same && got.k_g == built.r0 - 8 * static_cast<int32_t>(f32_bits(sg) >> 23) && got.inv == 1.0f / sg;
     for (int j = 0; j < 8; ++j) same = same && got.f[j] == built.f[j] - 130;
     if (!same && for_bad++ < 10) std::printf("nvfp4_tab16_for: the scale of %04x differs from nvfp4_build_tables16\n", h);
   }
@@ -80,7 +86,7 @@ int main() {
     amaxes.push_back(static_cast<uint16_t>((1u << 10) | i));   // [2^-14, 2^-13)
     if (i > 0) amaxes.push_back(static_cast<uint16_t>(i));     // subnormal
   }
-  uint64_t bad = 0, checked = 0, scales = 0;
+  uint64_t bad = 0, checked = 0, scales = 0, bad_codes = 0, checked_codes = 0;
   alignas(64) uint8_t codes[16];
   alignas(64) float factors[16];
   for (const uint16_t ah : amaxes) {
@@ -92,6 +98,22 @@ int main() {
       continue;
     }
     ++scales;
+    // Block codes: every fp16 block amax magnitude (Inf and NaN: the NaN code with Given), 16 at
+    // a time, with noise in the lanes' high halves.
+    alignas(64) uint32_t lanes[16], got16[16], given16[16];
+    for (uint32_t b0 = 0; b0 <= 0x7FFFu; b0 += 16) {
+      for (uint32_t k = 0; k < 16; ++k) lanes[k] = (b0 + k) | 0xABCD0000u;
+      _mm512_store_si512(got16, nvfp4_block_codes_tab16<false>(_mm512_load_si512(lanes), tab));
+      _mm512_store_si512(given16, nvfp4_block_codes_tab16<true>(_mm512_load_si512(lanes), tab));
+      for (uint32_t k = 0; k < 16; ++k) {
+        const uint32_t h = lanes[k] & 0xFFFFu;
+        const bool finite = h < 0x7C00u;
+        const uint32_t want_code = finite ? nvfp4_block_code(f16_to_f32(static_cast<uint16_t>(h)), sg) : E4M3::kNanCode;
+        checked_codes += finite ? 2 : 1;
+        if (((finite && got16[k] != want_code) || given16[k] != want_code) && bad_codes++ < 10)
+          std::printf("amax %04x block amax %04x: block code %u, tables %u (given %u)\n", ah, h, want_code, got16[k], given16[k]);
+      }
+    }
     for (uint32_t t = 0; t < 119; ++t) {
       for (uint32_t k = 0; k < 16; ++k) {
         codes[k] = static_cast<uint8_t>(8 + (k + t) % 119);
@@ -99,7 +121,7 @@ int main() {
       }
       const __m512 factor = _mm512_load_ps(factors);
       for (size_t b = 0; b < n; b += 256) nvfp4_elements256<DType::f16>(&xs[b], factor, &want[b / 2]);
-      for (size_t b = 0; b < n; b += 256) nvfp4_elements256_tab16(&xs[b], factor, codes, tab, &got[b / 2]);
+      for (size_t b = 0; b < n; b += 256) nvfp4_elements256_tab16(&xs[b], codes, tab, &got[b / 2]);
       checked += n / 2;
       if (std::memcmp(want.data(), got.data(), n / 2) != 0) {
         for (size_t j = 0; j < n / 2; ++j)
@@ -109,6 +131,9 @@ int main() {
       }
     }
   }
+  std::printf("mismatching block codes: %llu of %llu (fp16 block amaxes x %llu global scales, computed and given)\n",
+              static_cast<unsigned long long>(bad_codes), static_cast<unsigned long long>(checked_codes),
+              static_cast<unsigned long long>(scales));
   std::printf("mismatching bytes: %llu of %llu (finite fp16 inputs x block codes x %llu global scales)\n",
               static_cast<unsigned long long>(bad), static_cast<unsigned long long>(checked),
               static_cast<unsigned long long>(scales));
@@ -127,6 +152,14 @@ int main() {
   const __m512 factor = _mm512_load_ps(factors);
   time_paths_l1(
       "nvfp4 fp16 elements", 256.0, 400000, [&] { nvfp4_elements256<DType::f16>(x.data(), factor, want.data()); },
-      [&] { nvfp4_elements256_tab16(x.data(), factor, codes, tab, got.data()); });
-  return bad == 0 && for_bad == 0 && cover_bad == 0 && not_ok == 0 ? 0 : 1;
+      [&] { nvfp4_elements256_tab16(x.data(), codes, tab, got.data()); });
+  const __m512 vsg = _mm512_set1_ps(sg), vinv = _mm512_set1_ps(inv);
+  time_paths_l1(
+      "nvfp4 fp16 block scales", 256.0, 400000,
+      [&] {
+        const __m512 f = nvfp4_scales256<DType::f16>(x.data(), vsg, vinv, codes);
+        _mm512_store_ps(factors, f);
+      },
+      [&] { nvfp4_scales256_tab16<false>(x.data(), tab, codes); });
+  return bad == 0 && bad_codes == 0 && for_bad == 0 && cover_bad == 0 && not_ok == 0 ? 0 : 1;
 }

@@ -122,6 +122,8 @@ static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const N
   const auto scales = [](Row& w, int64_t q, __m512* f, __m512i* k) {
     if constexpr (kTab)
       *k = nvfp4_scales256_tab<Given>(w.x + q * 256, *w.tables, w.scales + q * 16);
+    else if constexpr (kTab16)
+      nvfp4_scales256_tab16<Given>(w.x + q * 256, *w.tables, w.scales + q * 16);
     else
       *f = nvfp4_scales256<D>(w.x + q * 256, w.sg, w.inv, w.scales + q * 16);
   };
@@ -129,7 +131,7 @@ static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const N
     if constexpr (kTab)
       nvfp4_elements256_tab(w.x + q * 256, w.k, w.scales + q * 16, *w.tables, w.out + q * 128);
     else if constexpr (kTab16)
-      nvfp4_elements256_tab16(w.x + q * 256, w.f, w.scales + q * 16, *w.tables, w.out + q * 128);
+      nvfp4_elements256_tab16(w.x + q * 256, w.scales + q * 16, *w.tables, w.out + q * 128);
     else
       nvfp4_elements256<D>(w.x + q * 256, w.f, w.out + q * 128);
     if constexpr (Given) nvfp4_zero_poisoned(w.scales + q * 16, w.out + q * 128);
@@ -192,15 +194,12 @@ static void nvfp4_tile_row16_tab(const Nvfp4Args& a, int64_t r0, const Nvfp4Tabl
   }
 }
 
-// The same for fp16 inputs: the tiles' codes and factors by the fp32 path (nvfp4_codes), each
-// row's elements by nvfp4_elements256_tab16.
+// The same for fp16 inputs (nvfp4_block_codes_tab16, nvfp4_elements256_tab16).
 template <bool Given>
 static void nvfp4_tile_row16_tab16(const Nvfp4Args& a, int64_t r0, const Nvfp4Tab16& t) {
   const int64_t C = a.cols, nc = (C + 15) / 16, out_stride = (C + 1) / 2;
   const auto* x = static_cast<const uint16_t*>(a.x) + r0 * C;
   const __m512i abs = _mm512_set1_epi16(0x7FFF);
-  const float g = a.global_scale[r0 / a.rows];
-  const __m512 sg = _mm512_set1_ps(g), inv = _mm512_set1_ps(1.0f / g);
   for (int64_t q = 0; q < C / 256; ++q) {
     __m512i h[8];
     for (int j = 0; j < 8; ++j) h[j] = _mm512_setzero_si512();
@@ -209,14 +208,12 @@ static void nvfp4_tile_row16_tab16(const Nvfp4Args& a, int64_t r0, const Nvfp4Ta
       for (int64_t b = 0; b < 512; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kTileRowAhead) + b, _MM_HINT_T1);
       for (int j = 0; j < 8; ++j) h[j] = _mm512_max_epu16(h[j], _mm512_and_si512(_mm512_loadu_si512(p + 32 * j), abs));
     }
-    const __m512 amax = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(block16_amax_halves(h)));
-    __m512 factor;
-    const __m128i codes = _mm512_cvtepi32_epi8(nvfp4_codes(_mm512_castps_si512(amax), sg, inv, &factor));
+    const __m128i codes = _mm512_cvtepi32_epi8(nvfp4_block_codes_tab16<Given>(block16_amax_halves(h), t));
     for (int64_t r = 0; r < 16; ++r) {
       uint8_t* sc = a.scales + (r0 + r) * nc + q * 16;
       uint8_t* out = a.out + (r0 + r) * out_stride + q * 128;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(sc), codes);
-      nvfp4_elements256_tab16(x + r * C + q * 256, factor, sc, t, out);
+      nvfp4_elements256_tab16(x + r * C + q * 256, sc, t, out);
       if constexpr (Given) nvfp4_zero_poisoned(sc, out);
     }
   }

@@ -62,42 +62,70 @@ alignas(64) static constexpr E2m1Grid4 kE2m1Grid4 = e2m1_grid4();
 
 // The tables of one global-scale mantissa (of the 1024 an fp16 tensor amax in [1, 2) gives).
 struct Nvfp4Tables16 {
-  alignas(64) uint8_t dt[8][64];  // [j][m >> 4] = 16 * D + (16 - T) mod 16 (above)
+  alignas(64) uint8_t dt[8][64];  // [j][m >> 4] = 16 * D + (16 - T) mod 16 of r (above)
+  alignas(64) uint8_t bs[64];     // [m >> 4]: the same of the block code offsets bs[m] (below)
   int32_t f[8];                   // F_j at the exponent field e
+  int32_t r0;                     // the block code of y_0 (below)
   uint32_t e;                     // the exponent field of the global scale they were built for
-  bool ok;                        // every r(m) had the shape above (always; else the fp32 path)
+  bool ok;                        // every step function had the shape above (always; else fp32)
 };
 
-// A matrix's view of its mantissa's tables: f[j] patched for its global scale's exponent.
+// A matrix's view of its mantissa's tables: f[j] and K_g for its global scale's exponent.
 struct Nvfp4Tab16 {
-  const uint8_t* dt;      // Nvfp4Tables16::dt
+  const uint8_t* dt;          // Nvfp4Tables16::dt
+  const uint8_t* bs;          // Nvfp4Tables16::bs
   alignas(64) int32_t f[16];  // [j] = F_j - 130 (so that C = E - f[j]); lanes 8-15 unused
+  int32_t k_g;                // K_g (below)
+  float inv;                  // 1 / s_g (the factors of the steps the fp32 path takes)
 };
 
-// The tables for global scale s_g (normal, positive).
+// 16 * v[16k] + (16 - T) mod 16 for the step function v over 16k..16k + 15 that rises by one at
+// T (16: no rise); false when v does not have that shape there.
+static inline bool nvfp4_step_byte(const uint32_t* v, uint8_t* out) {
+  uint32_t t = 16;
+  bool ok = v[0] <= 8;
+  for (uint32_t i = 1; i < 16; ++i) {
+    if (t == 16 && v[i] != v[0]) t = i;
+    ok = ok && v[i] == (i >= t ? v[0] + 1 : v[0]);
+  }
+  *out = static_cast<uint8_t>(16 * v[0] + ((16 - t) & 15));
+  return ok;
+}
+
+// The tables for global scale s_g (normal, positive). Block codes: as for bf16, the code of an
+// fp16 block amax A (exact in fp32 as (1 + m/1024) * 2^(e - 127), e its fp32 exponent field,
+// subnormal fp16 included) before the clamps is 8e + bs[m] + K_g with bs[m] = rn(y_m) - rn(y_0),
+// y_m = fl(fl((1 + m/1024) / 6) / s_g'), K_g = rn(y_0) - 8 E_g (avx512_nvfp4_tables.h). bs[m]
+// is 0..8, never falls and rises at most once in 16 steps of m (E4M3's grid is 1/8 of y apart, m
+// moves y by 1/1024 of it), so it takes the element tables' form: (bs byte + (m & 15)) >> 4.
 static inline void nvfp4_build_tables16(float s_g, Nvfp4Tables16* out) {
   const float inv = 1.0f / s_g;
   out->ok = true;
+  uint32_t r[16];
   for (uint32_t j = 0; j < 8; ++j) {
     const float f = inv / decode<E4M3>((7u << 3) | j);  // dec = 1 + j/8
     const float f1 = bits_f32((f32_bits(f) & 0x007FFFFFu) | (127u << 23));
     out->f[j] = static_cast<int32_t>(f32_bits(f) >> 23);
     for (uint32_t k = 0; k < 64; ++k) {
-      uint32_t r[16];
       for (uint32_t i = 0; i < 16; ++i) {
         const uint32_t p = f32_bits(bits_f32((127u << 23) | ((16 * k + i) << 13)) * f1);
         const uint32_t o = (p >> 23) - 127u, frac = p & 0x007FFFFFu;
         const uint32_t cls = frac == 0 ? 0 : frac <= 0x200000u ? 1 : frac < 0x400000u ? 2 : frac < 0x600000u ? 3 : 4;
         r[i] = 4 * o + cls;
       }
-      uint32_t t = 16;
-      for (uint32_t i = 1; i < 16; ++i) {
-        if (t == 16 && r[i] != r[0]) t = i;
-        out->ok = out->ok && r[i] == (i >= t ? r[0] + 1 : r[0]);
-      }
-      out->ok = out->ok && r[0] <= 8;
-      out->dt[j][k] = static_cast<uint8_t>(16 * r[0] + ((16 - t) & 15));
+      out->ok = nvfp4_step_byte(r, &out->dt[j][k]) && out->ok;
     }
+  }
+  const float sg1 = bits_f32((f32_bits(s_g) & 0x007FFFFFu) | (127u << 23));
+  for (uint32_t k = 0; k < 64; ++k) {
+    for (uint32_t i = 0; i < 16; ++i) {
+      // y in [1/12, 1/3]: a normal E4M3 target, so round_mag_rne's integer path.
+      const float y = (bits_f32((127u << 23) | ((16 * k + i) << 13)) / E2M1::kMax) / sg1;
+      r[i] = round_mag_rne<E4M3::kMbits, E4M3::kBias>(f32_bits(y));
+    }
+    if (k == 0) out->r0 = static_cast<int32_t>(r[0]);
+    for (uint32_t i = 0; i < 16; ++i) r[i] -= static_cast<uint32_t>(out->r0);
+    out->ok = nvfp4_step_byte(r, &out->bs[k]) && out->ok;
   }
   out->e = f32_bits(s_g) >> 23;
 }
@@ -139,51 +167,67 @@ static inline bool nvfp4_tab16_for(float s_g, Nvfp4Tab16* out) {
   if (!t.ok) return false;
   const int32_t k = static_cast<int32_t>(f32_bits(s_g) >> 23) - static_cast<int32_t>(t.e);
   out->dt = &t.dt[0][0];
+  out->bs = t.bs;
   for (int j = 0; j < 8; ++j) out->f[j] = t.f[j] - k - 130;
   for (int j = 8; j < 16; ++j) out->f[j] = 0;
+  out->k_g = t.r0 - 8 * static_cast<int32_t>(f32_bits(s_g) >> 23);
+  out->inv = 1.0f / s_g;
   return true;
 }
 
-// nvfp4_tab16_pass's vpermb index for the step's C words: 16-bit lane w < 16 takes bytes 0-1
-// of dword 0 (block 2s of the batch), lanes 16-31 bytes 0-1 of dword 1; + 8 bytes per step.
-struct Nvfp4CwGather {
-  uint8_t b[64];
-};
-static constexpr Nvfp4CwGather nvfp4_cw_gather() {
-  Nvfp4CwGather r{};
-  for (int w = 0; w < 32; ++w) {
-    r.b[2 * w] = static_cast<uint8_t>(w < 16 ? 0 : 4);
-    r.b[2 * w + 1] = static_cast<uint8_t>(w < 16 ? 1 : 5);
-  }
-  return r;
+// The E4M3 block scale codes of 16 blocks from their fp16 amaxes (low 16 bits of each lane; the
+// high bits may hold anything): nvfp4_block_code lane-wise, by the bs table (above). With Given
+// (the global scale was given) a block holding a NaN or Inf gets the NaN code 0x7F, as
+// nvfp4_codes gives it; the caller zeroes its elements.
+template <bool Given>
+static inline __m512i nvfp4_block_codes_tab16(__m512i h16, const Nvfp4Tab16& t) {
+  const __m512i a = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h16)));
+  const __m512i b = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_srli_epi32(a, 17), _mm512_load_si512(t.bs));
+  const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(a, 13), simd::u32(15));
+  const __m512i d = _mm512_srli_epi32(_mm512_add_epi32(b, lo), 4);  // bs[m]
+  const __m512i e8 = _mm512_slli_epi32(_mm512_srli_epi32(a, 23), 3);
+  __m512i c = _mm512_add_epi32(_mm512_add_epi32(e8, d), _mm512_set1_epi32(t.k_g));
+  c = _mm512_min_epi32(_mm512_max_epi32(c, simd::u32(8)), simd::u32(E4M3::kMaxCode));
+  if constexpr (Given) c = _mm512_mask_mov_epi32(c, _mm512_cmpge_epu32_mask(a, simd::u32(kF32InfBits)), simd::u32(E4M3::kNanCode));
+  return c;
 }
-alignas(64) static constexpr Nvfp4CwGather kNvfp4CwGather = nvfp4_cw_gather();
 
-// The 8 steps of one batch (256 inputs, 16 blocks) by the tables: cw's dword k holds 1024 * C +
-// 0x8000 of block k, dt the matrix's tables. Risky (a block with C <= 0): zeros are masked out of
-// u and a step holding an fp16 subnormal is left for the fp32 path: returns those steps (bit s).
+// The first half of an fp16 batch by the tables: its 16 block codes to `scales`.
+template <bool Given>
+static inline void nvfp4_scales256_tab16(const uint16_t* x, const Nvfp4Tab16& t, uint8_t* scales) {
+  prefetch_lines(reinterpret_cast<const char*>(x) + simd::kPrefetchAhead, 0, 512);
+  __m512i h[8];
+  for (int j = 0; j < 8; ++j) h[j] = _mm512_and_si512(_mm512_loadu_si512(x + 32 * j), _mm512_set1_epi16(0x7FFF));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), _mm512_cvtepi32_epi8(nvfp4_block_codes_tab16<Given>(block16_amax_halves(h), t)));
+}
+
+// The 8 steps of one batch (256 inputs, 16 blocks) by the tables: cw[k] holds 64 * C + 0x800 of
+// block k in both halves, dt the matrix's tables. Per step, u comes from the exponent bits the
+// table index already holds: ((x >> 4) & 0x7C0 | 0x800) -sat cw, capped at 512, is 64u (C >= -31
+// keeps cw's halves positive), and the step's two blocks' cw are two dword broadcasts from memory.
+// Risky (a block with C <= 0): zeros are masked out of u and a step holding an fp16 subnormal is
+// left for the fp32 path: returns those steps (bit s).
 template <bool Risky>
-static inline uint32_t nvfp4_tab16_pass(const uint16_t* x, __m512i cw, const uint8_t* codes, const uint8_t* dt,
+static inline uint32_t nvfp4_tab16_pass(const uint16_t* x, const uint32_t* cw, const uint8_t* codes, const uint8_t* dt,
                                         uint8_t* out) {
   const __m512i grid = _mm512_load_si512(kE2m1Grid4.g);
-  const __m512i exp16 = _mm512_set1_epi16(0x7C00), top = _mm512_set1_epi16(static_cast<short>(0x8000));
-  const __m512i cap = _mm512_set1_epi16(8192), low4 = _mm512_set1_epi16(15), eight = _mm512_set1_epi16(8);
+  const __m512i exp16 = _mm512_set1_epi16(0x7C00), e64 = _mm512_set1_epi16(0x07C0), top = _mm512_set1_epi16(0x0800);
+  const __m512i cap = _mm512_set1_epi16(512), low4 = _mm512_set1_epi16(15), eight = _mm512_set1_epi16(8);
   const __m512i pair = _mm512_set1_epi32(0x00100001);  // element 2i * 1 + element 2i + 1 * 16
   const __m512i runs = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   constexpr __mmask64 kLow = 0x5555555555555555ull, kLowA = 0x0000000055555555ull, kLowB = 0x5555555500000000ull;
-  __m512i cidx = _mm512_load_si512(kNvfp4CwGather.b);
   uint32_t redo = 0;
   for (int g = 0; g < 2; ++g) {
     __m512i d[4];
+#pragma GCC unroll 4
     for (int h = 0; h < 4; ++h) {
       const int s = 4 * g + h;
       const __m512i v = _mm512_loadu_si512(x + 32 * s);
       const __m512i idx = _mm512_srli_epi16(v, 4);  // low byte: m >> 4 (vpermb reads 6 bits)
       __m512i b = _mm512_maskz_permutexvar_epi8(kLowA, idx, _mm512_load_si512(dt + 64 * (codes[2 * s] & 7)));
       b = _mm512_mask_permutexvar_epi8(b, kLowB, idx, _mm512_load_si512(dt + 64 * (codes[2 * s + 1] & 7)));
-      const __m512i c = _mm512_permutexvar_epi8(cidx, cw);
-      cidx = _mm512_add_epi8(cidx, _mm512_set1_epi8(8));
-      const __m512i y = _mm512_ternarylogic_epi32(v, exp16, top, 0xEA);  // (v & 0x7C00) | 0x8000
+      const __m512i c = _mm512_mask_set1_epi32(_mm512_set1_epi32(static_cast<int>(cw[2 * s])), 0xFF00, static_cast<int>(cw[2 * s + 1]));
+      const __m512i y = _mm512_ternarylogic_epi32(idx, e64, top, 0xEA);  // (e << 6) | 0x800
       __m512i q;
       if constexpr (Risky) {
         const __mmask32 normal = _mm512_test_epi16_mask(v, exp16);
@@ -193,11 +237,11 @@ static inline uint32_t nvfp4_tab16_pass(const uint16_t* x, __m512i cw, const uin
       } else {
         q = _mm512_subs_epu16(y, c);
       }
-      q = _mm512_min_epu16(q, cap);                                                     // 1024u
-      __m512i w = _mm512_ternarylogic_epi32(_mm512_srli_epi16(q, 4), v, low4, 0xF8);  // 64u | (m & 15)
-      w = _mm512_srli_epi16(_mm512_add_epi16(w, b), 4);                                // 4u + r
+      q = _mm512_min_epu16(q, cap);                                         // 64u
+      __m512i w = _mm512_ternarylogic_epi32(q, v, low4, 0xF8);              // 64u | (m & 15)
+      w = _mm512_srli_epi16(_mm512_add_epi16(w, b), 4);                     // 4u + r
       __m512i code = _mm512_maskz_permutexvar_epi8(kLow, w, grid);
-      code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v, 12), eight, 0xF8);  // sign (bit 15) to bit 3
+      code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(idx, 8), eight, 0xF8);  // sign (bit 15) to bit 3
       d[h] = _mm512_madd_epi16(code, pair);
     }
     const __m512i p = _mm512_packus_epi16(_mm512_packus_epi32(d[0], d[1]), _mm512_packus_epi32(d[2], d[3]));
@@ -206,23 +250,25 @@ static inline uint32_t nvfp4_tab16_pass(const uint16_t* x, __m512i cw, const uin
   return redo;
 }
 
-// 16 whole 1x16 fp16 blocks (256 inputs) whose block scale codes are codes[0, 16) and element
-// factors `factor` (nvfp4_scales256<f16>'s), packed: the bytes of nvfp4_elements256<f16>.
-static inline void nvfp4_elements256_tab16(const uint16_t* x, __m512 factor, const uint8_t* codes, const Nvfp4Tab16& t,
-                                           uint8_t* out) {
+// 16 whole 1x16 fp16 blocks (256 inputs) whose block scale codes are codes[0, 16), packed: the
+// bytes of nvfp4_elements256<f16>.
+static inline void nvfp4_elements256_tab16(const uint16_t* x, const uint8_t* codes, const Nvfp4Tab16& t, uint8_t* out) {
   const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
   const __m512i fj = _mm512_permutexvar_epi32(_mm512_and_si512(code, simd::u32(7)), _mm512_load_si512(t.f));
   const __m512i cc = _mm512_sub_epi32(_mm512_srli_epi32(code, 3), fj);  // C
-  const __m512i cw = _mm512_add_epi32(_mm512_slli_epi32(cc, 10), simd::u32(0x8000));
+  const __m512i cw = _mm512_add_epi32(_mm512_slli_epi32(cc, 6), simd::u32(0x800));
+  alignas(64) uint32_t cw2[16];
+  _mm512_store_si512(cw2, _mm512_or_si512(cw, _mm512_slli_epi32(cw, 16)));
   uint32_t redo = 0;
   if (_mm512_cmple_epi32_mask(cc, _mm512_setzero_si512()) != 0)
-    redo = nvfp4_tab16_pass<true>(x, cw, codes, t.dt, out);
+    redo = nvfp4_tab16_pass<true>(x, cw2, codes, t.dt, out);
   else
-    nvfp4_tab16_pass<false>(x, cw, codes, t.dt, out);
+    nvfp4_tab16_pass<false>(x, cw2, codes, t.dt, out);
   for (; redo != 0; redo &= redo - 1) {
     const int s = __builtin_ctz(redo);
     for (int k = 2 * s; k < 2 * s + 2; ++k) {
-      const __m512 v = _mm512_mul_ps(simd::load<DType::f16>(x + 16 * k, 0xFFFF), simd::lane(factor, k));
+      const __m512 f = _mm512_set1_ps(nvfp4_block_factor(t.inv, codes[k]));
+      const __m512 v = _mm512_mul_ps(simd::load<DType::f16>(x + 16 * k, 0xFFFF), f);
       simd::store_nibbles16(out + 8 * k, e2m1_code(v));
     }
   }
@@ -230,5 +276,9 @@ static inline void nvfp4_elements256_tab16(const uint16_t* x, __m512 factor, con
 #else
 struct Nvfp4Tab16 {};
 static inline bool nvfp4_tab16_for(float, Nvfp4Tab16*) { return false; }
-static inline void nvfp4_elements256_tab16(const uint16_t*, __m512, const uint8_t*, const Nvfp4Tab16&, uint8_t*) {}
+template <bool Given>
+static inline void nvfp4_scales256_tab16(const uint16_t*, const Nvfp4Tab16&, uint8_t*) {}
+template <bool Given>
+static inline __m512i nvfp4_block_codes_tab16(__m512i, const Nvfp4Tab16&) { return _mm512_setzero_si512(); }
+static inline void nvfp4_elements256_tab16(const uint16_t*, const uint8_t*, const Nvfp4Tab16&, uint8_t*) {}
 #endif
