@@ -16,8 +16,9 @@ every scale (7.7 billion bytes).
 fp16 inputs take tables of another shape (native/quant/src/avx512_nvfp4_tables16.h: a step
 function of the 10 mantissa bits, two 64-byte lookups per 32 inputs);
 tools/bench/quant_nvfp4_f16_tables_probe.cpp checks which global scales take them, the cached
-per-mantissa tables against a fresh build, and the element bytes against the fp32 path for
-every finite fp16 input, every block scale code and 3,071 global scales (11.6 billion bytes).
+per-mantissa tables against a fresh build, the block scale codes (a step table too) against
+nvfp4_block_code for every fp16 block amax, and the element bytes against the fp32 path for every
+finite fp16 input, every block scale code and 3,071 global scales (11.6 billion bytes).
 """
 
 from __future__ import annotations
@@ -44,5 +45,7 @@ def test_nvfp4_f16_tables_equal_the_fp32_path_exhaustively(tmp_path: Path) -> No
     # The scale of every finite non-zero fp16 amax is covered, nothing one ulp off one is.
     assert "nvfp4_covered_mantissa16 wrong: 0 of 95230" in out, out
     assert "nvfp4_tab16_for wrong: 0 of 31743 (tables without the step shape: 0)" in out, out
+    # Block codes by the bs step table: every fp16 block amax, computed and given scale.
+    assert "mismatching block codes: 0 of 198116352" in out, out
     want = "mismatching bytes: 0 of 11600813056 (finite fp16 inputs x block codes x 3071 global"
     assert want in out, out
