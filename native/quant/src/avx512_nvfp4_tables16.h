@@ -144,7 +144,7 @@ static inline int nvfp4_covered_mantissa16(float s_g) {
   return -1;
 }
 
-// The tables of mantissa i, built on first use (about 10 us each) and kept for the process: every
+// The tables of mantissa i, built on first use (about 24 us each) and kept for the process: every
 // fp16 tensor amax is one of 1024 mantissas at one of 40 exponents, and a dynamic call meets a
 // new one with every tensor. A race builds twice and keeps one.
 static inline const Nvfp4Tables16& nvfp4_tables16_of(int i) {
