@@ -43,7 +43,8 @@ static inline __m512 int4_store_scales(__m512i amax, simd::Mask poisoned, DType 
   return s;
 }
 
-#include "avx512_int4_tables.h"  // kInt4Tables, int4_tab_groups (VBMI builds)
+#include "avx512_int4_tables.h"    // kInt4Tables, int4_tab_groups (VBMI builds)
+#include "avx512_int4_tables16.h"  // int4_tab_groups16 (fp16 inputs, VBMI builds)
 
 template <DType D>
 static void int4_rows_v(const Int4Args& a, int64_t r0, int64_t r1) {
@@ -71,6 +72,8 @@ static void int4_rows_v(const Int4Args& a, int64_t r0, int64_t r1) {
       simd::Mask done = 0;  // groups the mantissa tables encoded; the fp32 lanes do the rest
       if constexpr (D == DType::bf16 && kInt4Tables)
         done = int4_tab_groups(x + j0 * g, C - j0 * g, g, nb, amax, sv, poisoned, a.scale_dtype, out + j0 * g / 2);
+      if constexpr (D == DType::f16 && kInt4Tables)
+        done = int4_tab_groups16(x + j0 * g, C - j0 * g, g, nb, amax, sv, poisoned, a.scale_dtype, out + j0 * g / 2);
       for (int64_t k = 0; k < nb; ++k) {
         if ((done >> k) & 1) continue;
         const int64_t j = (j0 + k) * g, n = lo(g, C - j);

@@ -157,7 +157,7 @@ static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const N
   for (int k = 0; k < n; ++k) elements(rows[k], batches - 1);
 }
 
-// 16x16 tiles by the tables (bf16, VBMI): the whole 256-column batches of the 16 rows from r0
+// 16x16 tiles by the tables (bf16 and fp16, VBMI): the whole 256-column batches of the 16 rows from r0
 // (one full tile row). Per batch: the 16 tiles' amaxes (|x| maxima over the 16 rows, reduced as
 // the 1x16 kernel reduces one row's blocks), their codes (repeated on the 16 rows' scales), then
 // each row's elements by the 1x16 element loop with those codes. Given: as nvfp4_row_group.
@@ -169,8 +169,11 @@ static void nvfp4_row_group(const Nvfp4Args& a, const int64_t* r, int n, const N
 constexpr int64_t kTileRowAhead = 512;  // elements
 
 #if defined(__AVX512VBMI__)
-template <bool Given>
-static void nvfp4_tile_row16_tab(const Nvfp4Args& a, int64_t r0, const Nvfp4Tables& t) {
+// Tab: Nvfp4Tables (bf16: block codes and elements by nvfp4_codes_tab / nvfp4_elements256_tab)
+// or Nvfp4Tab16 (fp16: nvfp4_block_codes_tab16 / nvfp4_elements256_tab16).
+template <bool Given, class Tab>
+static void nvfp4_tile_row16_tab(const Nvfp4Args& a, int64_t r0, const Tab& t) {
+  constexpr bool kF16 = std::is_same_v<Tab, Nvfp4Tab16>;
   const int64_t C = a.cols, nc = (C + 15) / 16, out_stride = (C + 1) / 2;
   const auto* x = static_cast<const uint16_t*>(a.x) + r0 * C;
   const __m512i abs = _mm512_set1_epi16(0x7FFF);
@@ -182,47 +185,29 @@ static void nvfp4_tile_row16_tab(const Nvfp4Args& a, int64_t r0, const Nvfp4Tabl
       for (int64_t b = 0; b < 512; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kTileRowAhead) + b, _MM_HINT_T1);
       for (int j = 0; j < 8; ++j) h[j] = _mm512_max_epu16(h[j], _mm512_and_si512(_mm512_loadu_si512(p + 32 * j), abs));
     }
-    const __m512i kk = nvfp4_block_kk(nvfp4_codes_tab<Given>(block16_amax_halves(h), t), t);
-    const __m128i codes = _mm512_castsi512_si128(kk);
+    [[maybe_unused]] __m512i kk;
+    __m128i codes;
+    if constexpr (kF16) {
+      codes = _mm512_cvtepi32_epi8(nvfp4_block_codes_tab16<Given>(block16_amax_halves(h), t));
+    } else {
+      kk = nvfp4_block_kk(nvfp4_codes_tab<Given>(block16_amax_halves(h), t), t);
+      codes = _mm512_castsi512_si128(kk);
+    }
     for (int64_t r = 0; r < 16; ++r) {
       uint8_t* sc = a.scales + (r0 + r) * nc + q * 16;
       uint8_t* out = a.out + (r0 + r) * out_stride + q * 128;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(sc), codes);
-      nvfp4_elements256_tab(x + r * C + q * 256, kk, sc, t, out);
-      if constexpr (Given) nvfp4_zero_poisoned(sc, out);
-    }
-  }
-}
-
-// The same for fp16 inputs (nvfp4_block_codes_tab16, nvfp4_elements256_tab16).
-template <bool Given>
-static void nvfp4_tile_row16_tab16(const Nvfp4Args& a, int64_t r0, const Nvfp4Tab16& t) {
-  const int64_t C = a.cols, nc = (C + 15) / 16, out_stride = (C + 1) / 2;
-  const auto* x = static_cast<const uint16_t*>(a.x) + r0 * C;
-  const __m512i abs = _mm512_set1_epi16(0x7FFF);
-  for (int64_t q = 0; q < C / 256; ++q) {
-    __m512i h[8];
-    for (int j = 0; j < 8; ++j) h[j] = _mm512_setzero_si512();
-    for (int64_t r = 0; r < 16; ++r) {
-      const uint16_t* p = x + r * C + q * 256;
-      for (int64_t b = 0; b < 512; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kTileRowAhead) + b, _MM_HINT_T1);
-      for (int j = 0; j < 8; ++j) h[j] = _mm512_max_epu16(h[j], _mm512_and_si512(_mm512_loadu_si512(p + 32 * j), abs));
-    }
-    const __m128i codes = _mm512_cvtepi32_epi8(nvfp4_block_codes_tab16<Given>(block16_amax_halves(h), t));
-    for (int64_t r = 0; r < 16; ++r) {
-      uint8_t* sc = a.scales + (r0 + r) * nc + q * 16;
-      uint8_t* out = a.out + (r0 + r) * out_stride + q * 128;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(sc), codes);
-      nvfp4_elements256_tab16(x + r * C + q * 256, sc, t, out);
+      if constexpr (kF16)
+        nvfp4_elements256_tab16(x + r * C + q * 256, sc, t, out);
+      else
+        nvfp4_elements256_tab(x + r * C + q * 256, kk, sc, t, out);
       if constexpr (Given) nvfp4_zero_poisoned(sc, out);
     }
   }
 }
 #else
-template <bool Given>
-static void nvfp4_tile_row16_tab(const Nvfp4Args&, int64_t, const Nvfp4Tables&) {}
-template <bool Given>
-static void nvfp4_tile_row16_tab16(const Nvfp4Args&, int64_t, const Nvfp4Tab16&) {}
+template <bool Given, class Tab>
+static void nvfp4_tile_row16_tab(const Nvfp4Args&, int64_t, const Tab&) {}
 #endif
 
 // The mantissa tables of one matrix at a time, fetched when the matrix changes. get(a, b): the
@@ -304,10 +289,8 @@ static void nvfp4_rows_v(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint3
     if constexpr (D != DType::f32 && kNvfp4Tables) {
       if (tr == 16 && r1 - r0 == 16 && C >= 256) {
         if (const Nvfp4TabOf<D>* tt = tile_tables.get(a, b)) {
-          if constexpr (D == DType::f16)
-            (a.given_scale ? nvfp4_tile_row16_tab16<true> : nvfp4_tile_row16_tab16<false>)(a, r0, *tt);
-          else
-            (a.given_scale ? nvfp4_tile_row16_tab<true> : nvfp4_tile_row16_tab<false>)(a, r0, *tt);
+          using Tab = Nvfp4TabOf<D>;
+          (a.given_scale ? nvfp4_tile_row16_tab<true, Tab> : nvfp4_tile_row16_tab<false, Tab>)(a, r0, *tt);
           jb = C / 256 * 16;
         }
       }
