@@ -116,14 +116,12 @@ int main() {
   // L1 timing: 128 moderate fp16 inputs, one group.
   std::vector<uint16_t> xl(128);
   for (int i = 0; i < 128; ++i) xl[i] = static_cast<uint16_t>(0x3000 + (i * 397 % 3000) + ((i & 1) << 15));
-  const float s = 0.25f;
   const Int4Tables16& t = int4_tables16(DType::f32);
   const uint32_t ti = ((f32_bits(1.75f) >> 13) & 0x3FFu);
   const __m512i tab = _mm512_load_si512(t.t[ti]);
   const float sl = bits_f32(t.sig[ti] | (125u << 23));
   const __m512i c7 = _mm512_set1_epi16(static_cast<short>(7 * (125 - 114) + 28));
   alignas(64) uint8_t out[64];
-  (void)s;
   time_paths_l1(
       "int4 fp16 elements", 128.0, 400000,
       [&] {

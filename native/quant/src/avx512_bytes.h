@@ -97,6 +97,22 @@ static constexpr MxRound<F> mx_round() {
 template <class F>
 alignas(64) static constexpr MxRound<F> kMxRound = mx_round<F>();
 
+// The one-byte step table of the fp16 NVFP4 and INT4 paths (avx512_nvfp4_tables16.h,
+// avx512_int4_tables16.h): for 16 consecutive values v of a step function that rises by one at
+// T (16: no rise), 16 * v[0] + (16 - T) mod 16, so that (byte + i) >> 4 = v[i] for i in 0..15
+// (the carry out of the low four bits is the rise). False when v does not have that shape or
+// v[0] exceeds vmax (at most 14, so that the byte fits).
+static inline bool step_table_byte(const uint32_t* v, uint32_t vmax, uint8_t* out) {
+  uint32_t t = 16;
+  bool ok = v[0] <= vmax && vmax <= 14;
+  for (uint32_t i = 1; i < 16; ++i) {
+    if (t == 16 && v[i] != v[0]) t = i;
+    ok = ok && v[i] == (i >= t ? v[0] + 1 : v[0]);
+  }
+  *out = static_cast<uint8_t>(16 * v[0] + ((16 - t) & 15));
+  return ok;
+}
+
 #if defined(__AVX512VBMI__)
 constexpr bool kMxBytes = true;
 

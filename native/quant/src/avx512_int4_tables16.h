@@ -88,13 +88,7 @@ static inline void int4_build_tables16(DType sd, Int4Tables16* t) {
         const uint32_t o1 = (p >> 23) - 126u, cls = int4_class(p & 0x007FFFFFu);
         r[j] = 7 * o1 + cls - 1;  // p = 1 (cls 0): the top class of the binade below
       }
-      uint32_t first = 16;
-      for (uint32_t j = 1; j < 16; ++j) {
-        if (first == 16 && r[j] != r[0]) first = j;
-        t->ok = t->ok && r[j] == (j >= first ? r[0] + 1 : r[0]);
-      }
-      t->ok = t->ok && r[0] <= 13;
-      t->t[i][k] = static_cast<uint8_t>(16 * r[0] + ((16 - first) & 15));
+      t->ok = step_table_byte(r, 13, &t->t[i][k]) && t->ok;
     }
   }
 }

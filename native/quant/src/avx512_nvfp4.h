@@ -97,9 +97,8 @@ constexpr int kNvfp4Streams = 2;
 // The whole batches of 1x16 rows r[0, n), n <= kNvfp4Streams, interleaved batch by batch. Each
 // row is software-pipelined: the next batch's amax and scales (a chain of three divisions) are
 // computed before this batch's elements, which hide its latency. Tab: block codes and elements
-// by the mantissa tables (bf16 with kNvfp4Tables), or the elements by them (fp16: the block
-// codes and factors stay the fp32 path's), tables[k] those of row k's matrix; else the fp32 path
-// (tables unused). Given: the global scale was given, so single blocks may be poisoned (with a
+// by the mantissa tables (bf16 and fp16 with kNvfp4Tables: Nvfp4TabOf<D>), tables[k] those of
+// row k's matrix; else the fp32 path (tables unused). Given: the global scale was given, so single blocks may be poisoned (with a
 // computed one nothing is, and the dynamic call skips those checks).
 template <DType D>
 using Nvfp4TabOf = std::conditional_t<D == DType::f16, Nvfp4Tab16, Nvfp4Tables>;

@@ -2,8 +2,8 @@
 // conversion and the multiplication, 32 inputs per step on 16-bit lanes. Needs AVX512-VBMI
 // (vpermb); included by avx512_nvfp4.h inside namespace miles_quant::cpu::MQ_CPU_NS, after
 // avx512_nvfp4_tables.h (whose argument this one extends) and nvfp4_elements256 (the fp32 path,
-// which still gives the block scale codes and the element factors, and takes the rare steps the
-// tables cannot).
+// which takes the rare steps the tables cannot). The block scale codes come from a table of the
+// same form (nvfp4_build_tables16).
 //
 // Why tables give the contract's bits (a block of code c = (E << 3) | j that is not poisoned).
 // - As for bf16 (avx512_nvfp4_tables.h): factor = fl(inv / dec(c)) has the mantissa of f_j =
@@ -26,10 +26,11 @@
 //   low four bits is the rise). One 64-byte vpermb by m >> 4 per block (8 tables per matrix,
 //   one per block scale mantissa j, two masked lookups per 32-input step of two blocks).
 // - On a 16-bit lane: 64u + (m & 15) + byte, shifted right by four, is 4u + r (64u keeps the low
-//   six bits clear), the index into kE2m1Grid4 (at most 32 + 8 = 40). u comes from the exponent
-//   bits in place: (x & 0x7C00 | 0x8000) -sat (1024 * C + 0x8000), clamped to 8192; C is -31..24
-//   for every global scale of a finite, non-zero fp16 tensor amax (the all-zero tensor's scale,
-//   the 1e-10 clamp, takes the fp32 path: its C reaches -40), so both stay 16-bit and unsigned.
+//   six bits clear), the index into kE2m1Grid4 (at most 32 + 8 = 40). 64u comes from the exponent
+//   bits the table index x >> 4 already holds: ((x >> 4) & 0x7C0 | 0x800) -sat (64C + 0x800),
+//   capped at 512; C is -31..24 for every global scale of a finite, non-zero fp16 tensor amax
+//   (the all-zero tensor's scale, the 1e-10 clamp, takes the fp32 path: its C reaches -40), so
+//   both stay positive 16-bit values.
 // - e = 0 (zero or fp16 subnormal): a zero gets u = 0 where C >= 0, and the index is then r
 //   (at most 8, b <= -3): code 0, sign kept, as x * factor. Where C >= 1 every x with e = 1
 //   encodes to 0 (u = 0), so every fp16 subnormal (smaller) does too, as monotone rounding
@@ -38,9 +39,9 @@
 //   path: rare, a block whose scale is about 2^-8 of the tensor's or smaller.
 // - e = 31 (Inf, NaN) only in poisoned blocks (with a given global scale): the caller zeroes them.
 // tools/bench/quant_nvfp4_f16_tables_probe.cpp checks this against nvfp4_elements256<f16> for
-// every finite fp16 input, every block scale code 8..126 and every global scale an fp16 tensor
-// amax can give, at its smallest, largest and a middle exponent (run by
-// tests/test_quant_nvfp4_tables.py).
+// every finite fp16 input, every block scale code 8..126 and the global scales of every fp16
+// amax mantissa at the largest and the smallest normal exponent and of every subnormal amax,
+// where C reaches its ends (run by tests/test_quant_nvfp4_tables.py).
 
 #if defined(__AVX512VBMI__)
 // kE2m1Grid at 8 * (w - 2) + class (clamped to [0, 63]), stored at 4w + class: w = b + 5 in
@@ -79,19 +80,6 @@ struct Nvfp4Tab16 {
   float inv;                  // 1 / s_g (the factors of the steps the fp32 path takes)
 };
 
-// 16 * v[16k] + (16 - T) mod 16 for the step function v over 16k..16k + 15 that rises by one at
-// T (16: no rise); false when v does not have that shape there.
-static inline bool nvfp4_step_byte(const uint32_t* v, uint8_t* out) {
-  uint32_t t = 16;
-  bool ok = v[0] <= 8;
-  for (uint32_t i = 1; i < 16; ++i) {
-    if (t == 16 && v[i] != v[0]) t = i;
-    ok = ok && v[i] == (i >= t ? v[0] + 1 : v[0]);
-  }
-  *out = static_cast<uint8_t>(16 * v[0] + ((16 - t) & 15));
-  return ok;
-}
-
 // The tables for global scale s_g (normal, positive). Block codes: as for bf16, the code of an
 // fp16 block amax A (exact in fp32 as (1 + m/1024) * 2^(e - 127), e its fp32 exponent field,
 // subnormal fp16 included) before the clamps is 8e + bs[m] + K_g with bs[m] = rn(y_m) - rn(y_0),
@@ -113,7 +101,7 @@ static inline void nvfp4_build_tables16(float s_g, Nvfp4Tables16* out) {
         const uint32_t cls = frac == 0 ? 0 : frac <= 0x200000u ? 1 : frac < 0x400000u ? 2 : frac < 0x600000u ? 3 : 4;
         r[i] = 4 * o + cls;
       }
-      out->ok = nvfp4_step_byte(r, &out->dt[j][k]) && out->ok;
+      out->ok = step_table_byte(r, 8, &out->dt[j][k]) && out->ok;
     }
   }
   const float sg1 = bits_f32((f32_bits(s_g) & 0x007FFFFFu) | (127u << 23));
@@ -125,7 +113,7 @@ static inline void nvfp4_build_tables16(float s_g, Nvfp4Tables16* out) {
     }
     if (k == 0) out->r0 = static_cast<int32_t>(r[0]);
     for (uint32_t i = 0; i < 16; ++i) r[i] -= static_cast<uint32_t>(out->r0);
-    out->ok = nvfp4_step_byte(r, &out->bs[k]) && out->ok;
+    out->ok = step_table_byte(r, 8, &out->bs[k]) && out->ok;
   }
   out->e = f32_bits(s_g) >> 23;
 }
