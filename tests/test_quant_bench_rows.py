@@ -10,6 +10,7 @@ the input is on); only the timing needs a GPU.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -85,3 +86,26 @@ def test_fp16_bench_rows_time_fp16_inputs(row: tuple[str, str, str, str | None])
     for m in methods:
         m.fn()  # torchao eager refuses fp16 and is left out; the casts read fp16
     assert not any(m.name == "torchao eager" for m in methods)
+
+
+@pytest.mark.parametrize("row", cpu_bench.FORMATS, ids=[r[0] for r in cpu_bench.FORMATS])
+def test_fp32_bench_rows_time_fp32_inputs(row: tuple[str, str, str, str | None]) -> None:
+    # `quant_bandwidth.py --dtype fp32`: the native row quantizes the fp32 input (no cast to a
+    # 16-bit dtype first), the ml_dtypes cast reads the same fp32 array, and torchao (which takes
+    # fp32) runs on it wherever it has the format.
+    label, fmt, gran, rule = row
+    if not mq.native_available():
+        pytest.skip("the benches time the native kernels; this build has none")
+    x = torch.randn(128, 512, generator=torch.Generator().manual_seed(2)) * 3
+    methods = cpu_bench.methods_for(x, label, fmt, gran, rule, [1], False)
+    got = _native(methods).fn()
+    assert isinstance(got, mq.QuantizedTensor)
+    assert got.dtype == torch.float32
+    _assert_same(got, mq.quantize(x, fmt, granularity=gran, scale_rule=rule))
+    for m in methods:
+        m.fn()
+    names = {m.name for m in methods}
+    if importlib.util.find_spec("ml_dtypes") is not None and fmt.startswith(("fp8", "mx")):
+        assert "ml_dtypes cast" in names
+    if cpu_bench._torchao() is not None and mq.FORMATS[fmt].family in ("mx", "nvfp4"):
+        assert ("torchao eager" in names) == (gran != "16x16")

@@ -3,8 +3,8 @@
 Why: rollout-precision export and online activation quantization sit on the weight-update and
 inference paths, so a quantizer should run near memory speed. This script measures GB/s
 (bytes read + bytes written, per second) for 4096x4096, 8192x7168 and an MoE [E, N, K] weight,
-in bf16 (or fp16: ``--dtype fp16``), single-threaded and with all threads, and puts side by side
-in the same run:
+in bf16 (or ``--dtype fp16`` / ``--dtype fp32``), single-threaded and with all threads, and puts
+side by side in the same run:
 
 - miles-quant native (fused amax + scale + cast + pack, writing into preallocated outputs with
   ``quantize(..., out=q)``), and optionally its PyTorch reference (same bits);
@@ -45,19 +45,23 @@ import torch
 import miles_quant as mq
 
 SHAPES = {"4096x4096": (4096, 4096), "8192x7168": (8192, 7168), "moe8x2048x7168": (8, 2048, 7168)}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (label, format, granularity, scale rule)
 FORMATS = [
     ("fp8_e4m3 tensor", "fp8_e4m3", "tensor", None),
     ("fp8_e4m3 1x128", "fp8_e4m3", "1x128", None),
+    ("fp8_e5m2 tensor", "fp8_e5m2", "tensor", None),
     ("fp8_block128", "fp8_block128", "128x128", None),
     ("mxfp8_e4m3 floor", "mxfp8_e4m3", "1x32", "floor"),
     ("mxfp8_e4m3 rceil", "mxfp8_e4m3", "1x32", "rceil"),
+    ("mxfp8_e5m2 floor", "mxfp8_e5m2", "1x32", "floor"),
     ("mxfp4 floor", "mxfp4", "1x32", "floor"),
+    ("mxfp4 rceil", "mxfp4", "1x32", "rceil"),
     ("nvfp4 1x16", "nvfp4", "1x16", None),
     ("nvfp4 1x16 static", "nvfp4", "1x16", None),  # a given global scale (global_scale=)
     ("nvfp4 16x16", "nvfp4", "16x16", None),  # 2-D weight scaling (no torchao / ModelOpt peer)
     ("nvfp4 16x16 static", "nvfp4", "16x16", None),
+    ("int4_g32", "int4_g32", "1x32", None),
     ("int4_g128", "int4_g128", "1x128", None),
 ]
 
@@ -142,10 +146,14 @@ def _ml_dtypes_cast(x: torch.Tensor, fmt: str) -> Callable[[], object] | None:
         return None
     target = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_block128": ml_dtypes.float8_e4m3fn}
     target |= {"mxfp8_e4m3": ml_dtypes.float8_e4m3fn, "mxfp4": ml_dtypes.float4_e2m1fn}
+    target |= {"fp8_e5m2": ml_dtypes.float8_e5m2, "mxfp8_e5m2": ml_dtypes.float8_e5m2}
     if fmt not in target:
         return None
-    view = ml_dtypes.bfloat16 if x.dtype == torch.bfloat16 else np.float16
-    src = x.view(torch.int16).numpy().view(view)
+    if x.dtype == torch.float32:
+        src = x.numpy()
+    else:
+        view = ml_dtypes.bfloat16 if x.dtype == torch.bfloat16 else np.float16
+        src = x.view(torch.int16).numpy().view(view)
     dst = np.empty(src.shape, dtype=target[fmt])
     return lambda: np.copyto(dst, src, casting="unsafe")
 
