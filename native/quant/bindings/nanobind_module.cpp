@@ -145,4 +145,33 @@ NB_MODULE(_ext, m) {
       nb::arg("x"), nb::arg("x_nbytes"), nb::arg("dtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("group"),
       nb::arg("scale_dtype"), nb::arg("out"), nb::arg("out_nbytes"), nb::arg("scales"), nb::arg("scales_nbytes"),
       nb::arg("threads"));
+
+  m.def(
+      "dequantize",
+      [](uintptr_t data, int64_t data_nbytes, int code, int64_t batch, int64_t rows, int64_t cols, int64_t tile_rows,
+         int64_t tile_cols, uintptr_t scales, int64_t scales_nbytes, int scale_kind, uintptr_t global_scale,
+         int64_t global_scale_nbytes, uintptr_t out, int64_t out_nbytes, int out_dtype, int threads) {
+        expect(code >= 0 && code <= 3, "dequantize: element code must be 0 (e4m3), 1 (e5m2), 2 (e2m1), 3 (int4)");
+        expect(scale_kind >= 0 && scale_kind <= 4, "dequantize: scale kind must be 0 (f32) .. 4 (e4m3)");
+        expect(batch >= 0 && rows >= 0 && cols >= 0 && tile_rows > 0 && tile_cols > 0, "dequantize: bad sizes");
+        const Code c = static_cast<Code>(code);
+        const ScaleKind sk = static_cast<ScaleKind>(scale_kind);
+        const DType od = to_dtype(out_dtype);
+        const bool packed = c == Code::e2m1 || c == Code::int4;
+        const int64_t scale_size = sk == ScaleKind::f32 ? 4 : (sk == ScaleKind::bf16 || sk == ScaleKind::f16 ? 2 : 1);
+        const int64_t n_scales = batch * cdiv(rows, tile_rows) * cdiv(cols, tile_cols);
+        const float* g = nullptr;
+        if (global_scale != 0 || global_scale_nbytes != 0)
+          g = buffer<const float>(global_scale, global_scale_nbytes, 4 * batch, "dequantize: global_scale");
+        DequantArgs a{buffer<const uint8_t>(data, data_nbytes, batch * rows * (packed ? cdiv(cols, 2) : cols), "dequantize: data"),
+                      c, batch, rows, cols, tile_rows, tile_cols,
+                      buffer<const void>(scales, scales_nbytes, n_scales * scale_size, "dequantize: scales"), sk, g,
+                      buffer<void>(out, out_nbytes, batch * rows * cols * itemsize(od), "dequantize: out"), od, threads};
+        nb::gil_scoped_release release;
+        cpu::dequantize(a);
+      },
+      nb::arg("data"), nb::arg("data_nbytes"), nb::arg("code"), nb::arg("batch"), nb::arg("rows"), nb::arg("cols"),
+      nb::arg("tile_rows"), nb::arg("tile_cols"), nb::arg("scales"), nb::arg("scales_nbytes"), nb::arg("scale_kind"),
+      nb::arg("global_scale"), nb::arg("global_scale_nbytes"), nb::arg("out"), nb::arg("out_nbytes"),
+      nb::arg("out_dtype"), nb::arg("threads"));
 }

@@ -34,6 +34,7 @@ namespace MQ_CPU_NS {
 #include "avx512_mx.h"     // e2m1_code, mx_rows_v
 #include "avx512_nvfp4.h"  // nvfp4_rows_v
 #include "avx512_int4.h"   // int4_rows_v
+#include "avx512_dequant.h"  // dequant_rows_v
 
 // ---- raw casts and amax ---------------------------------------------------------------------
 

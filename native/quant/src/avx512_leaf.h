@@ -109,6 +109,7 @@ static inline Leaf make_avx512_leaf(const char* name) {
   l.mx_rows = mx_rows_d;
   l.nvfp4_rows = nvfp4_rows_d;
   l.int4_rows = int4_rows_d;
+  l.dequant_rows = dequant_rows_v;
   return l;
 }
 

@@ -245,5 +245,11 @@ void quantize_int4(const Int4Args& in) {
                [&](int64_t r0, int64_t r1) { L.int4_rows(a, r0, r1); });
 }
 
+void dequantize(const DequantArgs& a) {
+  const Leaf& L = leaf();
+  parallel_for(a.batch * a.rows, a.threads, grain_for(a.cols),
+               [&](int64_t r0, int64_t r1) { L.dequant_rows(a, r0, r1); });
+}
+
 }  // namespace cpu
 }  // namespace miles_quant

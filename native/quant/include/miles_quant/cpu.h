@@ -20,12 +20,15 @@ struct Leaf {
   void (*mx_rows)(const MxArgs& a, int64_t r0, int64_t r1);
   void (*nvfp4_rows)(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint32_t* gamax);
   void (*int4_rows)(const Int4Args& a, int64_t r0, int64_t r1);
+  // Rows [r0, r1) of the batch * rows output rows.
+  void (*dequant_rows)(const DequantArgs& a, int64_t r0, int64_t r1);
 };
 
 void quantize_fp8(const Fp8Args& a);
 void quantize_mx(const MxArgs& a);
 void quantize_nvfp4(const Nvfp4Args& a);
 void quantize_int4(const Int4Args& a);
+void dequantize(const DequantArgs& a);
 // Raw element casts (round to nearest even, saturating; see elements.h).
 void encode_elements(const float* x, int64_t n, Elem e, uint8_t* out, int threads);
 

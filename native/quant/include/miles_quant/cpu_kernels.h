@@ -334,6 +334,64 @@ static void int4_rows(const Int4Args& a, int64_t r0, int64_t r1) {
 
 #undef MQ_BY_DTYPE
 
+// ---- dequantization (contract.md sec. 5): value(code) * scale in fp32, one RNE rounding -------
+
+// Scale of element (b, row r, column c) of a.
+static inline float dq_scale(const DequantArgs& a, int64_t b, int64_t r, int64_t c) {
+  const int64_t nr = (a.rows + a.tile_rows - 1) / a.tile_rows, nc = (a.cols + a.tile_cols - 1) / a.tile_cols;
+  const int64_t i = (b * nr + r / a.tile_rows) * nc + c / a.tile_cols;
+  float s;
+  switch (a.scale_kind) {
+    case ScaleKind::f32:
+      s = static_cast<const float*>(a.scales)[i];
+      break;
+    case ScaleKind::bf16:
+      s = bf16_to_f32(static_cast<const uint16_t*>(a.scales)[i]);
+      break;
+    case ScaleKind::f16:
+      s = f16_to_f32(static_cast<const uint16_t*>(a.scales)[i]);
+      break;
+    case ScaleKind::e8m0:
+      s = e8m0_value(static_cast<const uint8_t*>(a.scales)[i]);
+      break;
+    default:
+      s = decode<E4M3>(static_cast<const uint8_t*>(a.scales)[i]);
+      break;
+  }
+  return a.global_scale != nullptr ? a.global_scale[b] * s : s;  // NVFP4: the scales' product first
+}
+
+// The value of the code of element c of output row R (exact in fp32).
+static inline float dq_value(const DequantArgs& a, int64_t R, int64_t c) {
+  if (a.code == Code::e4m3 || a.code == Code::e5m2) {
+    const uint32_t v = a.data[R * a.cols + c];
+    return a.code == Code::e4m3 ? decode<E4M3>(v) : decode<E5M2>(v);
+  }
+  const uint32_t v = (a.data[R * ((a.cols + 1) / 2) + c / 2] >> ((c & 1) * 4)) & 0xFu;
+  return a.code == Code::e2m1 ? decode<E2M1>(v) : static_cast<float>(static_cast<int32_t>(v) - 8);
+}
+
+// Writes v as output element i: RNE to the output dtype, every NaN as the canonical quiet NaN.
+static inline void dq_store(const DequantArgs& a, int64_t i, float v) {
+  const bool nan = (f32_bits(v) & kF32AbsMask) > kF32InfBits;
+  if (a.out_dtype == DType::f32)
+    static_cast<float*>(a.out)[i] = nan ? bits_f32(kF32QuietNan) : v;
+  else if (a.out_dtype == DType::bf16)
+    static_cast<uint16_t*>(a.out)[i] = nan ? kBf16QuietNan : f32_to_bf16(v);
+  else
+    static_cast<uint16_t*>(a.out)[i] = nan ? kF16QuietNan : f32_to_f16_rne(v);
+}
+
+// Columns [c0, c1) of output row R (of batch * rows).
+static inline void dequant_cols(const DequantArgs& a, int64_t R, int64_t c0, int64_t c1) {
+  const int64_t b = R / a.rows, r = R % a.rows;
+  for (int64_t c = c0; c < c1; ++c) dq_store(a, R * a.cols + c, dq_value(a, R, c) * dq_scale(a, b, r, c));
+}
+
+static void dequant_rows(const DequantArgs& a, int64_t r0, int64_t r1) {
+  for (int64_t R = r0; R < r1; ++R) dequant_cols(a, R, 0, a.cols);
+}
+
 static inline Leaf make_leaf(const char* name) {
   Leaf l;
   l.name = name;
@@ -344,6 +402,7 @@ static inline Leaf make_leaf(const char* name) {
   l.mx_rows = mx_rows;
   l.nvfp4_rows = nvfp4_rows;
   l.int4_rows = int4_rows;
+  l.dequant_rows = dequant_rows;
   return l;
 }
 

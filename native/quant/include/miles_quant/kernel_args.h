@@ -67,4 +67,26 @@ struct Int4Args {
   int threads;
 };
 
+// Dequantization: codes and scales back to floats, value(code) * scale in fp32, then one RNE
+// rounding to out_dtype with every NaN written as the dtype's canonical quiet NaN (fp32
+// 0x7FC00000, bf16 0x7FC0, fp16 0x7E00). data is [batch * rows, cols] bytes (FP8 codes) or
+// [batch * rows, ceil(cols / 2)] packed nibbles (E2M1, INT4 offset-binary), element 0 in the low
+// nibble. Element (b, r, c) takes scale [b, r / tile_rows, c / tile_cols] of a row-major
+// [batch, ceil(rows / tile_rows), ceil(cols / tile_cols)] array, times global_scale[b] first
+// when global_scale is not null (NVFP4: the product of the scales, then the element).
+enum class Code : int { e4m3 = 0, e5m2 = 1, e2m1 = 2, int4 = 3 };
+enum class ScaleKind : int { f32 = 0, bf16 = 1, f16 = 2, e8m0 = 3, e4m3 = 4 };
+
+struct DequantArgs {
+  const uint8_t* data;
+  Code code;
+  int64_t batch, rows, cols, tile_rows, tile_cols;
+  const void* scales;
+  ScaleKind scale_kind;
+  const float* global_scale;
+  void* out;
+  DType out_dtype;
+  int threads;
+};
+
 }  // namespace miles_quant

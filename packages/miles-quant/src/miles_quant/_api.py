@@ -311,15 +311,7 @@ def quantize(
         raise ValueError(f"quantize: scale_dtype applies to int4 formats only, not {format}")
     if backend not in _BACKENDS:
         raise ValueError(f"quantize: backend must be one of {_BACKENDS}, got {backend!r}")
-    if threads is not None and (
-        isinstance(threads, bool)
-        or not hasattr(threads, "__index__")
-        or operator.index(threads) < 1
-    ):
-        raise ValueError(
-            f"quantize: threads must be a positive int (or None for torch.get_num_threads()), "
-            f"got {threads!r}"
-        )
+    _check_threads(threads, "quantize")
     _check_input(x, fmt, gran, stacked)
     given_sg = None if global_scale is None else _check_global_scale(global_scale, fmt, x, stacked)
     sd = x.dtype if scale_dtype is None else scale_dtype
@@ -427,19 +419,99 @@ def _expand_last(t: torch.Tensor, group: int, k: int) -> torch.Tensor:
     return t.repeat_interleave(group, dim=-1)[..., :k]
 
 
-def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _check_threads(threads: object, who: str) -> None:
+    if threads is not None and (
+        isinstance(threads, bool)
+        or not hasattr(threads, "__index__")
+        or operator.index(threads) < 1
+    ):
+        raise ValueError(
+            f"{who}: threads must be a positive int (or None for torch.get_num_threads()), "
+            f"got {threads!r}"
+        )
+
+
+# Native dequantization: element code and scale kind of the binding (_native.dequantize).
+_INT4_CODE = 3
+_SCALE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_E8M0_KIND, _E4M3_KIND = 3, 4
+_CANONICAL_NAN = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _check_dequant_layout(q: QuantizedTensor, fmt: Format) -> None:
+    """q's buffers must be what quantize returns for its format, granularity and shape."""
+    if q.granularity not in fmt.granularities:
+        raise ValueError(
+            f"dequantize: {fmt.name} has granularities {fmt.granularities}, got {q.granularity!r}"
+        )
+    scale_dtype = q.scales.dtype if fmt.family == "int4" else torch.float32
+    if fmt.family == "int4" and scale_dtype not in INPUT_DTYPES:
+        raise ValueError(
+            f"dequantize: int4 scales must be float32, bfloat16 or float16, got {scale_dtype}"
+        )
+    layout = _layout(fmt, q.granularity, tuple(q.shape), q.stacked, scale_dtype)
+    device = q.data.device
+    for name, buf, lay in zip(
+        ("data", "scales", "global_scale"), (q.data, q.scales, q.global_scale), layout, strict=True
+    ):
+        if lay is None:
+            continue
+        if buf is None or tuple(buf.shape) != lay[0] or buf.dtype != lay[1]:
+            got = None if buf is None else (tuple(buf.shape), buf.dtype)
+            raise ValueError(
+                f"dequantize: a {fmt.name} {q.granularity} QuantizedTensor of shape "
+                f"{tuple(q.shape)} (stacked={q.stacked}) needs {name} {lay}, got {got}"
+            )
+        if buf.device != device:
+            raise ValueError(
+                f"dequantize: q.{name} is on {buf.device}, q.data on {device}: move them together"
+            )
+
+
+def _canonical_nans(t: torch.Tensor) -> torch.Tensor:
+    """t with every NaN written as its dtype's canonical quiet NaN (in place)."""
+    nan = torch.isnan(t)
+    if bool(nan.any()):
+        t.view(_INT_VIEW[t.dtype])[nan] = _CANONICAL_NAN[t.dtype]
+    return t
+
+
+def dequantize(
+    q: QuantizedTensor,
+    dtype: torch.dtype = torch.float32,
+    *,
+    backend: Backend = "auto",
+    threads: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Reads a QuantizedTensor back: element value times its scale, in fp32, then one rounding
-    to `dtype` (float32, bfloat16 or float16).
+    to `dtype` (float32, bfloat16 or float16). Every NaN comes out as the dtype's canonical quiet
+    NaN (fp32 ``0x7FC00000``, bf16 ``0x7FC0``, fp16 ``0x7E00``) on every backend and device.
 
     NVFP4 multiplies each element by (global scale * block scale), the product first
     (torchao's order). A NaN scale (a poisoned group) gives NaN for the whole group.
 
+    Args:
+        q: what quantize returned (or a QuantizedTensor in the same layout, e.g. read from a
+            checkpoint).
+        dtype: the output dtype.
+        backend: "auto" (the native kernels on CPU when built, else torch ops), "native" (CPU
+            kernels, raises if unavailable or on another device) or "torch" (the reference).
+            Same bits on every backend.
+        threads: CPU threads for the native backend, at least 1 (default
+            torch.get_num_threads()).
+        out: an optional contiguous tensor of q.shape and `dtype` on q's device to write into
+            (reused buffers skip the allocation and its first-touch page faults).
+
     Returns:
-        A tensor of q.shape and `dtype` on q.data's device.
+        A tensor of q.shape and `dtype` on q.data's device (`out` when given).
 
     Raises:
-        ValueError: `q` is not a QuantizedTensor of a known format (an NVFP4 one without its
-            global_scale included), or `dtype` is not float32 / bfloat16 / float16.
+        ValueError: `q` is not a QuantizedTensor of a known format, its buffers are not in the
+            layout quantize returns for its format, granularity and shape (an NVFP4 one without
+            its global_scale included), `dtype` is not float32 / bfloat16 / float16, a bad
+            backend or threads, or an `out` of another shape, dtype or device.
     """
     if not isinstance(q, QuantizedTensor):
         raise ValueError(
@@ -452,9 +524,76 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         )
     if dtype not in _OUT_DTYPES:
         raise ValueError(f"dequantize: dtype must be float32, bfloat16 or float16, got {dtype}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"dequantize: backend must be one of {_BACKENDS}, got {backend!r}")
+    _check_threads(threads, "dequantize")
     fmt = FORMATS[q.format]
     if fmt.family == "nvfp4" and q.global_scale is None:
         raise ValueError("dequantize: an nvfp4 QuantizedTensor needs its global_scale (fp32)")
+    _check_dequant_layout(q, fmt)
+    shape = tuple(q.shape)
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"dequantize: out must be a torch.Tensor, got {type(out).__name__}")
+        if tuple(out.shape) != shape or out.dtype != dtype:
+            raise ValueError(
+                f"dequantize: out must have shape {shape} and dtype {dtype}, got "
+                f"{tuple(out.shape)} {out.dtype}"
+            )
+        if out.device != q.data.device or not out.is_contiguous():
+            raise ValueError(
+                f"dequantize: out must be contiguous and on {q.data.device} (got {out.device}, "
+                f"contiguous={out.is_contiguous()})"
+            )
+    if _use_native_dequant(q.data, backend):
+        result = out if out is not None else torch.empty(shape, dtype=dtype)
+        if result.numel() == 0:  # no elements (the layouts may still hold a tensor-level scale)
+            return result
+        k = shape[-1]
+        if q.granularity == "128x128":
+            b, r = math.prod(shape[:-2]), shape[-2]
+        elif q.stacked and (q.granularity == "tensor" or fmt.family == "nvfp4"):
+            b, r = shape[0], math.prod(shape[1:-1])
+        else:
+            b, r = 1, math.prod(shape[:-1])
+        if fmt.family == "fp8":
+            tile = fp8_tile(q.granularity, r, k)
+            kind = _SCALE_KINDS[torch.float32]
+        elif fmt.family == "mx":
+            tile, kind = (1, 32), _E8M0_KIND
+        elif fmt.family == "nvfp4":
+            tile, kind = (1, 16), _E4M3_KIND
+        else:
+            tile, kind = (1, fmt.group), _SCALE_KINDS[q.scales.dtype]
+        code = _INT4_CODE if fmt.element is None else fmt.element.code
+        g = None if q.global_scale is None else q.global_scale.contiguous()
+        _native.dequantize(
+            q.data.contiguous(), code, (b, r, k), tile, q.scales.contiguous(), kind, g, result,
+            threads,
+        )  # fmt: skip
+        return result
+    ref = _canonical_nans(_dequantize_reference(q, fmt).to(dtype))
+    if out is None:
+        return ref
+    return out.copy_(ref)
+
+
+def _use_native_dequant(data: torch.Tensor, backend: str) -> bool:
+    """Native dequantization runs on CPU tensors; elsewhere the torch ops (same bits)."""
+    if backend == "torch":
+        return False
+    if data.device.type != "cpu":
+        if backend == "native":
+            raise ValueError(
+                f"dequantize: backend='native' runs on CPU tensors only (got {data.device}); "
+                "use backend='auto' or 'torch' (torch ops on the device, same bits)"
+            )
+        return False
+    return _use_native(data, backend)
+
+
+def _dequantize_reference(q: QuantizedTensor, fmt: Format) -> torch.Tensor:
+    """value(code) * scale in fp32 by torch ops, shape q.shape."""
     shape = q.shape
     k = shape[-1]
     if fmt.family == "fp8":
@@ -488,4 +627,4 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         codes = unpack_nibbles(q.data, k).to(torch.int32) - 8
         s = q.scales.to(torch.float32)
         out = codes.to(torch.float32) * _expand_last(s, fmt.group, k)
-    return out.reshape(shape).to(dtype)
+    return out.reshape(shape)

@@ -184,3 +184,30 @@ def int4(
         x.data_ptr(), x.nbytes, DTYPE_CODES[x.dtype], rows, c, group, DTYPE_CODES[scales.dtype],
         out.data_ptr(), out.nbytes, scales.data_ptr(), scales.nbytes, last,
     )  # fmt: skip
+
+
+def dequantize(
+    data: torch.Tensor,
+    code: int,
+    dims: tuple[int, int, int],
+    tile: tuple[int, int],
+    scales: torch.Tensor,
+    scale_kind: int,
+    global_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    threads: int | None = None,
+) -> None:
+    """CPU only. data: [b, r, c] codes as bytes (code 0 e4m3, 1 e5m2) or [b, r, ceil(c / 2)]
+    packed nibbles (2 e2m1, 3 int4); scales: [b, ceil(r / tile[0]), ceil(c / tile[1])] of
+    scale_kind (0 f32, 1 bf16, 2 f16, 3 e8m0, 4 e4m3), times global_scale[b] first when given
+    (fp32 [b]); out: [b, r, c] float32 / bfloat16 / float16, value * scale rounded once."""
+    b, r, c = dims
+    mod, last = _mod(data, threads)
+    g_ptr, g_nbytes = (
+        (0, 0) if global_scale is None else (global_scale.data_ptr(), global_scale.nbytes)
+    )
+    mod.dequantize(
+        data.data_ptr(), data.nbytes, code, b, r, c, tile[0], tile[1], scales.data_ptr(),
+        scales.nbytes, scale_kind, g_ptr, g_nbytes, out.data_ptr(), out.nbytes,
+        DTYPE_CODES[out.dtype], last,
+    )  # fmt: skip

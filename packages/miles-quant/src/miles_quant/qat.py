@@ -49,7 +49,9 @@ class _FakeQuantInt4(torch.autograd.Function):
         backend: Backend,
     ) -> torch.Tensor:
         q = quantize(w.detach(), fmt, scale_dtype=scale_dtype, backend=backend)
-        return dequantize(q, w.dtype)
+        # dequantize's native kernels run on CPU; on another device its torch ops (same bits).
+        back: Backend = backend if w.device.type == "cpu" else "auto"
+        return dequantize(q, w.dtype, backend=back)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -76,7 +78,8 @@ def fake_quantize_int4(
         group: 32 or 128 (``int4_g32`` / ``int4_g128``).
         scale_dtype: storage dtype of the scale the codes are computed against (default
             ``w.dtype``; see docs/contract.md, INT4).
-        backend: quantize backend; all give the same bits.
+        backend: quantize and dequantize backend (dequantize's native kernels are CPU-only: on
+            another device it uses torch ops); all give the same bits.
 
     Returns:
         ``dequantize(quantize(w, f"int4_g{group}", scale_dtype=scale_dtype), w.dtype)``, whose

@@ -1,0 +1,191 @@
+"""Dequantization bandwidth: miles-quant's native kernels vs the peers, on the same buffers.
+
+Why: every INT4 QAT forward is quantize-then-dequantize of each selected weight, a quantized
+checkpoint read back (`load_quantized`) dequantizes every tensor, and a round-trip check
+dequantizes what it exported. This script measures GB/s (bytes read: codes and scales, plus
+bytes written: the output, per second) for 4096x4096, 8192x7168 and an MoE [E, N, K] weight
+quantized from bf16, dequantized to bf16 (``--dtype`` for float32 / float16), single-threaded
+and with all threads, side by side in the same run with:
+
+- miles-quant's PyTorch reference (``backend="torch"``, the same bits; torch ops);
+- torchao's eager dequantization where it has the format (``to_dtype`` of MX,
+  ``NVFP4Tensor.dequantize``), on torchao's own quantization of the same input;
+- the plain torch cast of the FP8 codes to the output dtype (``dst.copy_(q.data)``, no scale);
+- a memcpy of a buffer the size of the output (``dst.copy_(src)``): writing the output is most
+  of the traffic.
+
+Every output buffer is written once before timing and reused (``out=``). Methods run
+interleaved; the table shows the best repeat of each (``--stat median`` for the median).
+
+    python tools/bench/quant_dequant.py                 # all shapes, ~2-4 min on 2 cores
+    python tools/bench/quant_dequant.py --quick         # 4096x4096 only
+    python tools/bench/quant_dequant.py --dtype float32 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import miles_quant as mq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_bandwidth import SHAPES, Method, _nbytes
+
+OUT = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# (label, format, granularity, scale rule)
+ROWS = [
+    ("fp8_e4m3 tensor", "fp8_e4m3", "tensor", None),
+    ("fp8_e4m3 1x128", "fp8_e4m3", "1x128", None),
+    ("fp8_block128", "fp8_block128", "128x128", None),
+    ("mxfp8_e4m3", "mxfp8_e4m3", "1x32", "floor"),
+    ("mxfp4", "mxfp4", "1x32", "floor"),
+    ("nvfp4 1x16", "nvfp4", "1x16", None),
+    ("nvfp4 16x16", "nvfp4", "16x16", None),
+    ("int4_g32", "int4_g32", "1x32", None),
+    ("int4_g128", "int4_g128", "1x128", None),
+]
+
+
+def _torchao_dequant(x: torch.Tensor, fmt: str, out: torch.dtype) -> Callable[[], object] | None:
+    """torchao's eager dequantization of its own quantization of x, where it has the format."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+            from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+    except ImportError:
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    if fmt in ("mxfp8_e4m3", "mxfp4"):
+        elem = torch.float4_e2m1fn_x2 if fmt == "mxfp4" else torch.float8_e4m3fn
+        scale, data = to_mx(x2, elem, 32)
+        return functools.partial(to_dtype, data, scale, elem, 32, out)
+    if fmt == "nvfp4":
+        t = NVFP4Tensor.to_nvfp4(x2)
+        return functools.partial(t.dequantize, out)
+    return None
+
+
+def methods_for(
+    x: torch.Tensor, fmt: str, gran: str, rule: str | None, out: torch.dtype, threads: list[int]
+) -> list[Method]:
+    stacked = x.dim() == 3 and gran in ("tensor", "1x16")
+    q = mq.quantize(x, fmt, granularity=gran, scale_rule=rule, stacked=stacked)
+    dst = torch.empty(x.shape, dtype=out)
+    moved = _nbytes(q) + dst.nbytes
+    ms = [
+        Method("native", t, functools.partial(mq.dequantize, q, out, threads=t, out=dst), moved)
+        for t in threads
+    ]
+    ref = functools.partial(mq.dequantize, q, out, backend="torch")
+    ms.append(Method("reference", 1, ref, moved, slow_peer=True))
+    if q.data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        cast_dst = torch.empty(x.shape, dtype=out)
+        cast = functools.partial(cast_dst.copy_, q.data)
+        ms.append(Method("torch cast", 1, cast, q.data.nbytes + cast_dst.nbytes))
+    ao = _torchao_dequant(x, fmt, out) if gran != "16x16" else None
+    if ao is not None:
+        ms.append(Method("torchao eager", 1, ao, moved, slow_peer=True))
+    return ms
+
+
+def run_shape(shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(torch.bfloat16)
+    out = OUT[args.dtype]
+    threads = sorted({1, args.threads})
+    rows = [r for r in ROWS if not args.formats or r[1] in args.formats]
+    per_row = {label: methods_for(x, f, gr, ru, out, threads) for label, f, gr, ru in rows}
+    src, dst = torch.empty(shape, dtype=out), torch.empty(shape, dtype=out)
+    src.fill_(1.0)
+    copy = functools.partial(dst.copy_, src)
+    memcpy = [Method("memcpy", t, copy, 2 * dst.nbytes) for t in threads]
+    everything = memcpy + [m for ms in per_row.values() for m in ms]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for m in everything:
+            if not m.slow_peer:
+                torch.set_num_threads(m.threads)
+                m.fn()
+        for r in range(args.repeat):
+            for m in everything:
+                if m.slow_peer and r >= args.peer_repeat:
+                    continue
+                torch.set_num_threads(m.threads)
+                t0 = time.perf_counter()
+                m.fn()
+                m.times.append(time.perf_counter() - t0)
+    torch.set_num_threads(args.threads)
+    res: dict[str, object] = {"shape": list(shape), "out_dtype": args.dtype}
+    for stat in ("best", "median"):
+        table = {label: {f"{m.name} {m.threads}t": m.gbps(stat) for m in ms}
+                 for label, ms in per_row.items()}  # fmt: skip
+        res[stat] = {"memcpy": {m.threads: m.gbps(stat) for m in memcpy}, "formats": table}
+    return res
+
+
+def print_table(res: dict[str, object], threads: list[int], stat: str) -> None:
+    shape = "x".join(str(s) for s in res["shape"])  # type: ignore[attr-defined]
+    mc: dict[int, float] = res[stat]["memcpy"]  # type: ignore[index]
+    memcpy = ", ".join(f"{t}t {v:.1f} GB/s" for t, v in mc.items())
+    print(f"\n### {shape} bf16 -> {res['out_dtype']} ({stat} of the repeats)   "
+          f"memcpy of the output size: {memcpy}")  # fmt: skip
+    ts = threads if len(threads) == 1 else [threads[0], threads[-1]]
+    cols = [*(f"native {t}t" for t in ts), "reference 1t", "torchao eager 1t", "torch cast 1t"]
+    head = ["format", *(f"{c} GB/s" for c in cols), *(f"native/memcpy {t}t" for t in ts),
+            "native/reference 1t", "native/torchao 1t", "native/torch cast 1t"]  # fmt: skip
+    print("| " + " | ".join(head) + " |")
+    print("|" + " --- |" * len(head))
+    for label, row in res[stat]["formats"].items():  # type: ignore[index]
+        cells = [label] + [f"{row[c]:.2f}" if c in row else "-" for c in cols]
+        cells += [f"{row[f'native {t}t'] / mc[t]:.2f}" for t in ts]
+        for peer in ("reference 1t", "torchao eager 1t", "torch cast 1t"):
+            v = row.get(peer)
+            cells.append(f"{row['native 1t'] / v:.1f}x" if v else "-")
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--quick", action="store_true", help="4096x4096 only")
+    p.add_argument("--dtype", choices=list(OUT), default="bfloat16", help="output dtype")
+    p.add_argument("--formats", nargs="*", default=[], choices=sorted({r[1] for r in ROWS}))
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="'all threads'")
+    p.add_argument("--repeat", type=int, default=5, help="interleaved repeats")
+    p.add_argument("--peer-repeat", type=int, default=1, help="repeats of the slow peers")
+    p.add_argument("--stat", choices=["best", "median"], default="best")
+    p.add_argument("--json", default="", help="write the results here")
+    args = p.parse_args()
+    if args.quick:
+        args.shapes = ["4096x4096"]
+    if not mq.native_available():
+        raise SystemExit(f"miles_quant native extension missing: {mq.native_error()}")
+    load0 = os.getloadavg()
+    print(f"# miles-quant dequantize, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+          f"load average at start {load0[0]:.2f}")  # fmt: skip
+    threads = sorted({1, args.threads})
+    results = []
+    for name in args.shapes:
+        res = run_shape(SHAPES[name], args)
+        print_table(res, threads, args.stat)
+        results.append(res)
+    load1 = os.getloadavg()
+    print(f"\nload average at end {load1[0]:.2f} (1 min), {load1[1]:.2f} (5 min)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"load": [load0, load1], "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
