@@ -22,6 +22,7 @@ import miles_quant as mq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
 import quant_bandwidth as cpu_bench
 import quant_cuda_bandwidth as gpu_bench
+import quant_dequant as dequant_bench
 
 
 def _assert_same(a: mq.QuantizedTensor, b: mq.QuantizedTensor) -> None:
@@ -109,3 +110,33 @@ def test_fp32_bench_rows_time_fp32_inputs(row: tuple[str, str, str, str | None])
         assert "ml_dtypes cast" in names
     if cpu_bench._torchao() is not None and mq.FORMATS[fmt].family in ("mx", "nvfp4"):
         assert ("torchao eager" in names) == (gran != "16x16")
+
+
+@pytest.mark.parametrize("shape", [(128, 512), (2, 64, 512)])
+@pytest.mark.parametrize("row", dequant_bench.ROWS, ids=[r[0] for r in dequant_bench.ROWS])
+def test_dequant_bench_rows_time_what_their_labels_say(
+    row: tuple[str, str, str, str | None], shape: tuple[int, ...]
+) -> None:
+    # tools/bench/quant_dequant.py: the native row dequantizes a quantize() result of its format
+    # into its out= buffer with the bits of the reference, and every peer it lists runs.
+    _, fmt, gran, rule = row
+    if not mq.native_available():
+        pytest.skip("the bench times the native kernels; this build has none")
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 3).to(torch.bfloat16)
+    methods = dequant_bench.methods_for(x, fmt, gran, rule, torch.bfloat16, [1])
+    native = _native(methods)
+    got = native.fn()
+    q = native.fn.args[0]  # type: ignore[attr-defined]
+    assert isinstance(q, mq.QuantizedTensor)
+    assert (q.format, q.granularity) == (fmt, gran)
+    want = mq.dequantize(q, torch.bfloat16, backend="torch")
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    for m in methods:
+        m.fn()
+    names = {m.name for m in methods}
+    assert "reference" in names
+    assert ("torch cast" in names) == (q.data.dtype != torch.uint8)  # FP8 codes only
+    if cpu_bench._torchao() is not None:
+        assert ("torchao eager" in names) == (
+            fmt in ("mxfp8_e4m3", "mxfp4", "nvfp4") and gran != "16x16"
+        )

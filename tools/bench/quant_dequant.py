@@ -79,7 +79,7 @@ def _torchao_dequant(x: torch.Tensor, fmt: str, out: torch.dtype) -> Callable[[]
 def methods_for(
     x: torch.Tensor, fmt: str, gran: str, rule: str | None, out: torch.dtype, threads: list[int]
 ) -> list[Method]:
-    stacked = x.dim() == 3 and gran in ("tensor", "1x16")
+    stacked = x.dim() == 3 and gran in ("tensor", "1x16", "16x16")
     q = mq.quantize(x, fmt, granularity=gran, scale_rule=rule, stacked=stacked)
     dst = torch.empty(x.shape, dtype=out)
     moved = _nbytes(q) + dst.nbytes
