@@ -20,6 +20,7 @@ interleaved; the table shows the best repeat of each (``--stat median`` for the 
     python tools/bench/quant_dequant.py                 # all shapes, ~2-4 min on 2 cores
     python tools/bench/quant_dequant.py --quick         # 4096x4096 only
     python tools/bench/quant_dequant.py --dtype float32 --json out.json
+    python tools/bench/quant_dequant.py --qat           # one INT4 QAT forward, native vs torch ops
 """
 
 from __future__ import annotations
@@ -155,6 +156,37 @@ def print_table(res: dict[str, object], threads: list[int], stat: str) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+def qat_forward(repeat: int) -> None:
+    """One INT4 QAT forward (fake_quantize_int4, group 128) of a 4096x4096 bf16 weight on one
+    thread, against the same forward with the torch-ops dequantize (what it ran before the
+    native kernels). The previous output stays alive while the next is made, as in training,
+    so each call writes a fresh output buffer (first-touch page faults included)."""
+    from miles_quant.qat import fake_quantize_int4
+
+    torch.set_num_threads(1)
+    w = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    w.requires_grad_(True)
+
+    def torch_ops() -> torch.Tensor:
+        q = mq.quantize(w.detach(), "int4_g128")
+        return mq.dequantize(q, torch.bfloat16, backend="torch")
+
+    best = {}
+    for name, fn in (("native", lambda: fake_quantize_int4(w)), ("torch ops", torch_ops)):
+        keep = fn()
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            y = fn()
+            times.append(time.perf_counter() - t0)
+            keep = y
+        del keep
+        best[name] = min(times) * 1e3
+    print(f"\n# INT4 QAT forward, 4096x4096 bf16, one thread: native {best['native']:.1f} ms, "
+          f"with the torch-ops dequantize {best['torch ops']:.1f} ms "
+          f"({best['torch ops'] / best['native']:.1f}x)")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
@@ -166,7 +198,11 @@ def main() -> None:
     p.add_argument("--peer-repeat", type=int, default=1, help="repeats of the slow peers")
     p.add_argument("--stat", choices=["best", "median"], default="best")
     p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--qat", action="store_true", help="only time one INT4 QAT forward")
     args = p.parse_args()
+    if args.qat:
+        qat_forward(args.repeat)
+        return
     if args.quick:
         args.shapes = ["4096x4096"]
     if not mq.native_available():
