@@ -316,19 +316,29 @@ def main() -> None:
         help="which repeat the table shows (best: least disturbed by other jobs; JSON has both)",
     )  # fmt: skip
     p.add_argument("--json", default="", help="write the results here")
-    args = p.parse_args()
+    run_shapes(p.parse_args(), "miles-quant bandwidth", run_shape, print_table)
+
+
+def run_shapes(
+    args: argparse.Namespace,
+    title: str,
+    run: Callable[[tuple[int, ...], argparse.Namespace], dict[str, object]],
+    show: Callable[[dict[str, object], list[int], str], None],
+) -> None:
+    """Runs `run` on each of args.shapes (4096x4096 only with --quick), prints each result
+    with `show`, brackets them with the load average, and writes them to args.json if set."""
     if args.quick:
         args.shapes = ["4096x4096"]
     if not mq.native_available():
         raise SystemExit(f"miles_quant native extension missing: {mq.native_error()}")
     load0 = os.getloadavg()
-    print(f"# miles-quant bandwidth, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+    print(f"# {title}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"load average at start {load0[0]:.2f}")  # fmt: skip
     threads = sorted({1, args.threads})
     results = []
     for name in args.shapes:
-        res = run_shape(SHAPES[name], args)
-        print_table(res, threads, args.stat)
+        res = run(SHAPES[name], args)
+        show(res, threads, args.stat)
         results.append(res)
     load1 = os.getloadavg()
     print(f"\nload average at end {load1[0]:.2f} (1 min), {load1[1]:.2f} (5 min)")

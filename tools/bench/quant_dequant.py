@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -40,7 +39,7 @@ import torch
 import miles_quant as mq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_bandwidth import SHAPES, Method, _nbytes
+from quant_bandwidth import SHAPES, Method, _nbytes, run_shapes
 
 OUT = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # (label, format, granularity, scale rule)
@@ -203,24 +202,7 @@ def main() -> None:
     if args.qat:
         qat_forward(args.repeat)
         return
-    if args.quick:
-        args.shapes = ["4096x4096"]
-    if not mq.native_available():
-        raise SystemExit(f"miles_quant native extension missing: {mq.native_error()}")
-    load0 = os.getloadavg()
-    print(f"# miles-quant dequantize, torch {torch.__version__}, {os.cpu_count()} CPUs, "
-          f"load average at start {load0[0]:.2f}")  # fmt: skip
-    threads = sorted({1, args.threads})
-    results = []
-    for name in args.shapes:
-        res = run_shape(SHAPES[name], args)
-        print_table(res, threads, args.stat)
-        results.append(res)
-    load1 = os.getloadavg()
-    print(f"\nload average at end {load1[0]:.2f} (1 min), {load1[1]:.2f} (5 min)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"load": [load0, load1], "results": results}, f, indent=1)
+    run_shapes(args, "miles-quant dequantize", run_shape, print_table)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,3 +76,26 @@ def format_cases() -> list[tuple[str, str, str | None]]:
             for rule in fmt.scale_rules or (None,):
                 cases.append((name, gran, rule))
     return cases
+
+
+def run_with_isa(child: str, isa: str, tmp_path: Path) -> object:
+    """Runs the Python code `child` in a subprocess whose kernels use the lower instruction set
+    `isa` (MILES_QUANT_ISA is read once per process) and returns what it saved: the code gets
+    argv [isa, dump path, this tests directory] and must torch.save its result to the dump.
+    Skips where `isa` is not a lower ISA of this CPU."""
+    from miles_quant import _native
+
+    require_native()
+    if _native.isa() == "generic" and isa == "avx2":
+        pytest.skip("this CPU has no AVX2")
+    if isa == "avx512" and _native.isa() != "avx512vbmi":
+        pytest.skip("the plain AVX-512 build is only a lower ISA on a CPU with AVX512-VBMI")
+    dump = tmp_path / f"{isa}.pt"
+    env = {**os.environ, "MILES_QUANT_ISA": isa, "OMP_NUM_THREADS": "1"}
+    here = str(Path(__file__).resolve().parent)
+    r = subprocess.run(
+        [sys.executable, "-c", child, isa, str(dump), here],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(dump)

@@ -7,17 +7,13 @@ with this process's kernels and the reference."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _quant_testlib import all_bf16, all_fp16, assert_same_quantized, format_cases, require_native
+from _quant_testlib import all_bf16, all_fp16, assert_same_quantized, format_cases, run_with_isa
 
 import miles_quant as mq
-from miles_quant import _native
 
 CASES = format_cases()
 
@@ -53,20 +49,8 @@ def _inputs() -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
 def test_every_isa_gives_the_same_bits(isa: str, tmp_path: Path) -> None:
-    require_native()
-    if _native.isa() == "generic" and isa == "avx2":
-        pytest.skip("this CPU has no AVX2")
-    if isa == "avx512" and _native.isa() != "avx512vbmi":
-        pytest.skip("the plain AVX-512 build is only a lower ISA on a CPU with AVX512-VBMI")
-    dump = tmp_path / f"{isa}.pt"
-    env = {**os.environ, "MILES_QUANT_ISA": isa, "OMP_NUM_THREADS": "1"}
-    here = str(Path(__file__).resolve().parent)
-    r = subprocess.run(
-        [sys.executable, "-c", _CHILD, isa, str(dump), here],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    theirs = torch.load(dump)
+    theirs = run_with_isa(_CHILD, isa, tmp_path)
+    assert isinstance(theirs, dict)
     assert theirs, "the subprocess quantized nothing"
     inputs = _inputs()
     for (i, fmt, gran, rule), (data, scales, gscale) in theirs.items():

@@ -88,17 +88,22 @@ MQ_HD uint32_t round_mag_rne(uint32_t u) {
   return e >= kMinNormalField ? cn : rs;
 }
 
-// fp32 -> fp16 bits, round to nearest even, saturating finite overflow and Inf to +-65504
-// (used only for stored scales, which are finite and in range by contract).
-MQ_HD uint16_t f32_to_f16_satfinite(float f) {
+// fp32 -> fp16 bits, round to nearest even; NaN stays NaN (0x7E00 with the sign). Finite
+// overflow and Inf give +-65504 with kSaturate (stored scales, finite and in range by contract),
+// else Inf (IEEE: dequantized outputs).
+template <bool kSaturate>
+MQ_HD uint16_t f32_to_f16(float f) {
   const uint32_t b = f32_bits(f);
   const uint32_t sign = (b >> 16) & 0x8000u;
   const uint32_t u = b & kF32AbsMask;
   if (u > kF32InfBits) return static_cast<uint16_t>(sign | 0x7E00u);
+  constexpr uint32_t kTop = kSaturate ? 0x7BFFu : 0x7C00u;
   uint32_t c = round_mag_rne<10, 15>(u);
-  c = c > 0x7BFFu ? 0x7BFFu : c;
+  c = c > kTop ? kTop : c;
   return static_cast<uint16_t>(sign | c);
 }
+MQ_HD uint16_t f32_to_f16_satfinite(float f) { return f32_to_f16<true>(f); }
+MQ_HD uint16_t f32_to_f16_rne(float f) { return f32_to_f16<false>(f); }
 
 // Element i of a contiguous input of dtype D, widened to fp32 (exact).
 template <DType D>

@@ -70,18 +70,6 @@ MQ_HD uint32_t int4_code(float x, float s) {
 
 // ---- Dequantization: value(code) * scale in fp32, one RNE rounding to the output dtype --------
 
-// fp32 -> fp16 bits, round to nearest even, IEEE: finite overflow and Inf give Inf, NaN stays NaN
-// (the dequantized outputs; stored scales use f32_to_f16_satfinite).
-MQ_HD uint16_t f32_to_f16_rne(float f) {
-  const uint32_t b = f32_bits(f);
-  const uint32_t sign = (b >> 16) & 0x8000u;
-  const uint32_t u = b & kF32AbsMask;
-  if (u > kF32InfBits) return static_cast<uint16_t>(sign | 0x7E00u);
-  uint32_t c = round_mag_rne<10, 15>(u);
-  c = c > 0x7C00u ? 0x7C00u : c;
-  return static_cast<uint16_t>(sign | c);
-}
-
 // Canonical quiet NaNs of the dequantized outputs (whatever the payload of the NaN computed).
 constexpr uint16_t kBf16QuietNan = 0x7FC0u;
 constexpr uint16_t kF16QuietNan = 0x7E00u;
