@@ -240,6 +240,15 @@ def run_shape(shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, obj
     per_format = {label: methods_for(x, label, f, gr, r, threads, args.reference)
                   for label, f, gr, r in formats}  # fmt: skip
     memcpy = memcpy_methods(x, threads)
+    out: dict[str, object] = {"shape": list(shape), "dtype": args.dtype}
+    return out | time_interleaved(memcpy, per_format, args)
+
+
+def time_interleaved(
+    memcpy: list[Method], per_format: dict[str, list[Method]], args: argparse.Namespace
+) -> dict[str, object]:
+    """Times every method args.repeat times (slow peers args.peer_repeat times), interleaved,
+    after one untimed warm-up call of each fast one; returns the "best" and "median" tables."""
     everything = memcpy + [m for ms in per_format.values() for m in ms]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -256,7 +265,7 @@ def run_shape(shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, obj
                 m.fn()
                 m.times.append(time.perf_counter() - t0)
     torch.set_num_threads(args.threads)
-    out: dict[str, object] = {"shape": list(shape), "dtype": args.dtype}
+    out: dict[str, object] = {}
     for stat in ("best", "median"):
         rows = {label: {f"{m.name} {m.threads}t": m.gbps(stat) for m in ms}
                 for label, ms in per_format.items()}  # fmt: skip

@@ -39,7 +39,7 @@ import torch
 import miles_quant as mq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_bandwidth import SHAPES, Method, _nbytes, run_shapes
+from quant_bandwidth import SHAPES, Method, _nbytes, run_shapes, time_interleaved
 
 OUT = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # (label, format, granularity, scale rule)
@@ -110,28 +110,8 @@ def run_shape(shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, obj
     src.fill_(1.0)
     copy = functools.partial(dst.copy_, src)
     memcpy = [Method("memcpy", t, copy, 2 * dst.nbytes) for t in threads]
-    everything = memcpy + [m for ms in per_row.values() for m in ms]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for m in everything:
-            if not m.slow_peer:
-                torch.set_num_threads(m.threads)
-                m.fn()
-        for r in range(args.repeat):
-            for m in everything:
-                if m.slow_peer and r >= args.peer_repeat:
-                    continue
-                torch.set_num_threads(m.threads)
-                t0 = time.perf_counter()
-                m.fn()
-                m.times.append(time.perf_counter() - t0)
-    torch.set_num_threads(args.threads)
     res: dict[str, object] = {"shape": list(shape), "out_dtype": args.dtype}
-    for stat in ("best", "median"):
-        table = {label: {f"{m.name} {m.threads}t": m.gbps(stat) for m in ms}
-                 for label, ms in per_row.items()}  # fmt: skip
-        res[stat] = {"memcpy": {m.threads: m.gbps(stat) for m in memcpy}, "formats": table}
-    return res
+    return res | time_interleaved(memcpy, per_row, args)
 
 
 def print_table(res: dict[str, object], threads: list[int], stat: str) -> None:
