@@ -336,10 +336,10 @@ static void int4_rows(const Int4Args& a, int64_t r0, int64_t r1) {
 
 // ---- dequantization (contract.md sec. 5): value(code) * scale in fp32, one RNE rounding -------
 
-// Scale of element (b, row r, column c) of a.
-static inline float dq_scale(const DequantArgs& a, int64_t b, int64_t r, int64_t c) {
-  const int64_t nr = (a.rows + a.tile_rows - 1) / a.tile_rows, nc = (a.cols + a.tile_cols - 1) / a.tile_cols;
-  const int64_t i = (b * nr + r / a.tile_rows) * nc + c / a.tile_cols;
+// Scale j of a row whose scales start at index `base` (matrix b), decoded to fp32; NVFP4: times
+// the matrix's global scale first.
+static inline float dq_scale(const DequantArgs& a, int64_t base, int64_t j, int64_t b) {
+  const int64_t i = base + j;
   float s;
   switch (a.scale_kind) {
     case ScaleKind::f32:
@@ -358,34 +358,87 @@ static inline float dq_scale(const DequantArgs& a, int64_t b, int64_t r, int64_t
       s = decode<E4M3>(static_cast<const uint8_t*>(a.scales)[i]);
       break;
   }
-  return a.global_scale != nullptr ? a.global_scale[b] * s : s;  // NVFP4: the scales' product first
+  return a.global_scale != nullptr ? a.global_scale[b] * s : s;
 }
 
-// The value of the code of element c of output row R (exact in fp32).
-static inline float dq_value(const DequantArgs& a, int64_t R, int64_t c) {
-  if (a.code == Code::e4m3 || a.code == Code::e5m2) {
-    const uint32_t v = a.data[R * a.cols + c];
-    return a.code == Code::e4m3 ? decode<E4M3>(v) : decode<E5M2>(v);
-  }
-  const uint32_t v = (a.data[R * ((a.cols + 1) / 2) + c / 2] >> ((c & 1) * 4)) & 0xFu;
-  return a.code == Code::e2m1 ? decode<E2M1>(v) : static_cast<float>(static_cast<int32_t>(v) - 8);
+// The value of every code (decode<F> of each, exact), built once per process.
+struct DqValues {
+  float e4m3[256], e5m2[256], e2m1[16], int4[16];
+};
+static inline const DqValues& dq_values() {
+  static const DqValues t = [] {
+    DqValues v{};
+    for (uint32_t c = 0; c < 256; ++c) {
+      v.e4m3[c] = decode<E4M3>(c);
+      v.e5m2[c] = decode<E5M2>(c);
+    }
+    for (uint32_t c = 0; c < 16; ++c) {
+      v.e2m1[c] = decode<E2M1>(c);
+      v.int4[c] = static_cast<float>(static_cast<int32_t>(c) - 8);
+    }
+    return v;
+  }();
+  return t;
 }
 
 // Writes v as output element i: RNE to the output dtype, every NaN as the canonical quiet NaN.
-static inline void dq_store(const DequantArgs& a, int64_t i, float v) {
+template <DType O>
+static inline void dq_store(void* out, int64_t i, float v) {
   const bool nan = (f32_bits(v) & kF32AbsMask) > kF32InfBits;
-  if (a.out_dtype == DType::f32)
-    static_cast<float*>(a.out)[i] = nan ? bits_f32(kF32QuietNan) : v;
-  else if (a.out_dtype == DType::bf16)
-    static_cast<uint16_t*>(a.out)[i] = nan ? kBf16QuietNan : f32_to_bf16(v);
+  if constexpr (O == DType::f32)
+    static_cast<float*>(out)[i] = nan ? bits_f32(kF32QuietNan) : v;
+  else if constexpr (O == DType::bf16)
+    static_cast<uint16_t*>(out)[i] = nan ? kBf16QuietNan : f32_to_bf16(v);
   else
-    static_cast<uint16_t*>(a.out)[i] = nan ? kF16QuietNan : f32_to_f16_rne(v);
+    static_cast<uint16_t*>(out)[i] = nan ? kF16QuietNan : f32_to_f16_rne(v);
 }
 
-// Columns [c0, c1) of output row R (of batch * rows).
+// Columns [c0, c1) of output row R (of batch * rows): value(code) * scale, one group at a time.
+template <DType O, bool kPacked>
+static inline void dequant_cols_t(const DequantArgs& a, const float* values, int64_t R, int64_t c0, int64_t c1) {
+  const int64_t C = a.cols, tc = a.tile_cols, b = R / a.rows, r = R % a.rows;
+  const int64_t nr = (a.rows + a.tile_rows - 1) / a.tile_rows, nc = (C + tc - 1) / tc;
+  const int64_t base = (b * nr + r / a.tile_rows) * nc;
+  const uint8_t* x = a.data + R * (kPacked ? (C + 1) / 2 : C);
+  for (int64_t c = c0; c < c1;) {
+    const int64_t j = c / tc, end = lo(c1, (j + 1) * tc);
+    const float s = dq_scale(a, base, j, b);
+    if constexpr (kPacked) {
+      // Whole bytes (an even and an odd element) in the middle; a lone nibble at either end.
+      auto one = [&](int64_t k) { dq_store<O>(a.out, R * C + k, values[(x[k / 2] >> ((k & 1) * 4)) & 0xFu] * s); };
+      if (c < end && (c & 1)) one(c++);
+      for (; c + 2 <= end; c += 2) {
+        const uint32_t byte = x[c / 2];
+        dq_store<O>(a.out, R * C + c, values[byte & 0xFu] * s);
+        dq_store<O>(a.out, R * C + c + 1, values[byte >> 4] * s);
+      }
+      if (c < end) one(c++);
+    } else {
+      for (; c < end; ++c) dq_store<O>(a.out, R * C + c, values[x[c]] * s);
+    }
+  }
+}
+
+template <DType O>
+static inline void dequant_cols_o(const DequantArgs& a, int64_t R, int64_t c0, int64_t c1) {
+  const DqValues& v = dq_values();
+  switch (a.code) {
+    case Code::e4m3:
+      return dequant_cols_t<O, false>(a, v.e4m3, R, c0, c1);
+    case Code::e5m2:
+      return dequant_cols_t<O, false>(a, v.e5m2, R, c0, c1);
+    case Code::e2m1:
+      return dequant_cols_t<O, true>(a, v.e2m1, R, c0, c1);
+    default:
+      return dequant_cols_t<O, true>(a, v.int4, R, c0, c1);
+  }
+}
+
+// Columns [c0, c1) of output row R.
 static inline void dequant_cols(const DequantArgs& a, int64_t R, int64_t c0, int64_t c1) {
-  const int64_t b = R / a.rows, r = R % a.rows;
-  for (int64_t c = c0; c < c1; ++c) dq_store(a, R * a.cols + c, dq_value(a, R, c) * dq_scale(a, b, r, c));
+  if (a.out_dtype == DType::f32) dequant_cols_o<DType::f32>(a, R, c0, c1);
+  if (a.out_dtype == DType::bf16) dequant_cols_o<DType::bf16>(a, R, c0, c1);
+  if (a.out_dtype == DType::f16) dequant_cols_o<DType::f16>(a, R, c0, c1);
 }
 
 static void dequant_rows(const DequantArgs& a, int64_t r0, int64_t r1) {
