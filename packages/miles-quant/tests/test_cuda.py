@@ -209,3 +209,29 @@ def test_cuda_nvfp4_with_a_given_global_scale_equals_reference(
         assert torch.equal(got.data.cpu(), ref.data)
         assert torch.equal(got.scales.cpu().view(torch.uint8), ref.scales.view(torch.uint8))
         assert torch.equal(got.global_scale.cpu(), ref.global_scale)
+
+
+def _to_cuda(q: mq.QuantizedTensor) -> mq.QuantizedTensor:
+    g = None if q.global_scale is None else q.global_scale.cuda()
+    return mq.QuantizedTensor(
+        q.data.cuda(), q.scales.cuda(), q.format, q.shape, q.dtype, q.granularity,
+        q.scale_rule, g, q.stacked,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_dequantize_equals_cpu_bits() -> None:
+    # dequantize of CUDA tensors runs torch ops there (no CUDA dequantize kernel); its products,
+    # roundings and canonical NaNs must be the CPU kernels' bits (test_dequantize.py's grid:
+    # every code against every scale code and edge scales, subnormal and overflowing products).
+    from test_dequantize import OUT_DTYPES, _grid_cases
+
+    for q in _grid_cases():
+        dev = _to_cuda(q)
+        for dtype in OUT_DTYPES:
+            got = mq.dequantize(dev, dtype)
+            assert got.device.type == "cuda"
+            want = mq.dequantize(q, dtype)
+            size = {torch.float32: torch.int32}.get(dtype, torch.int16)
+            assert torch.equal(got.cpu().view(size), want.view(size)), (q.format, dtype)
