@@ -336,6 +336,26 @@ static void int4_rows(const Int4Args& a, int64_t r0, int64_t r1) {
 
 // ---- dequantization (contract.md sec. 5): value(code) * scale in fp32, one RNE rounding -------
 
+// The value of every code (decode<F> of each, exact), built once per process.
+struct DqValues {
+  float e4m3[256], e5m2[256], e2m1[16], int4[16];
+};
+static inline const DqValues& dq_values() {
+  static const DqValues t = [] {
+    DqValues v{};
+    for (uint32_t c = 0; c < 256; ++c) {
+      v.e4m3[c] = decode<E4M3>(c);
+      v.e5m2[c] = decode<E5M2>(c);
+    }
+    for (uint32_t c = 0; c < 16; ++c) {
+      v.e2m1[c] = decode<E2M1>(c);
+      v.int4[c] = static_cast<float>(static_cast<int32_t>(c) - 8);
+    }
+    return v;
+  }();
+  return t;
+}
+
 // Scale j of a row whose scales start at index `base` (matrix b), decoded to fp32; NVFP4: times
 // the matrix's global scale first.
 static inline float dq_scale(const DequantArgs& a, int64_t base, int64_t j, int64_t b) {
@@ -355,30 +375,10 @@ static inline float dq_scale(const DequantArgs& a, int64_t base, int64_t j, int6
       s = e8m0_value(static_cast<const uint8_t*>(a.scales)[i]);
       break;
     default:
-      s = decode<E4M3>(static_cast<const uint8_t*>(a.scales)[i]);
+      s = dq_values().e4m3[static_cast<const uint8_t*>(a.scales)[i]];
       break;
   }
   return a.global_scale != nullptr ? a.global_scale[b] * s : s;
-}
-
-// The value of every code (decode<F> of each, exact), built once per process.
-struct DqValues {
-  float e4m3[256], e5m2[256], e2m1[16], int4[16];
-};
-static inline const DqValues& dq_values() {
-  static const DqValues t = [] {
-    DqValues v{};
-    for (uint32_t c = 0; c < 256; ++c) {
-      v.e4m3[c] = decode<E4M3>(c);
-      v.e5m2[c] = decode<E5M2>(c);
-    }
-    for (uint32_t c = 0; c < 16; ++c) {
-      v.e2m1[c] = decode<E2M1>(c);
-      v.int4[c] = static_cast<float>(static_cast<int32_t>(c) - 8);
-    }
-    return v;
-  }();
-  return t;
 }
 
 // Writes v as output element i: RNE to the output dtype, every NaN as the canonical quiet NaN.
