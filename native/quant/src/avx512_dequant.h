@@ -145,10 +145,8 @@ static void rows(const DequantArgs& a, int64_t r0, int64_t r1) {
   const int64_t nr = (a.rows + a.tile_rows - 1) / a.tile_rows, nc = (C + tc - 1) / tc;
   const bool packed = a.code == Code::e2m1 || a.code == Code::int4;
   const bool vector = packed ? (tc == 16 || tc % 32 == 0) : (tc % 16 == 0 || nc == 1);
-  alignas(64) static const float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-  alignas(64) static const float kInt4[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
-  const __m512 lut = _mm512_load_ps(a.code == Code::int4 ? kInt4 : kE2M1);
+  const DqValues& values = dq_values();  // the scalar code's tables: decode<E2M1>, q - 8
+  const __m512 lut = _mm512_loadu_ps(a.code == Code::int4 ? values.int4 : values.e2m1);
   for (int64_t R = r0; R < r1; ++R) {
     if (!vector) {
       dequant_cols(a, R, 0, C);
