@@ -112,6 +112,17 @@ def _check_input(x: torch.Tensor, fmt: Format, granularity: str, stacked: bool) 
             )
 
 
+def _matrices(shape: tuple[int, ...], fmt: Format, gran: str, stacked: bool) -> tuple[int, int]:
+    """A tensor of `shape` as (b, r): b matrices of r rows (the kernels' batch). 128x128 tiles
+    are per matrix, and with stacked=True so are the tensor-level scales (fp8 "tensor", the
+    NVFP4 global scale); otherwise the rows of one matrix."""
+    if gran == "128x128":
+        return math.prod(shape[:-2]), shape[-2]
+    if stacked and (gran == "tensor" or fmt.family == "nvfp4"):
+        return shape[0], math.prod(shape[1:-1])
+    return 1, math.prod(shape[:-1])
+
+
 def _check_global_scale(
     g: torch.Tensor | float, fmt: Format, x: torch.Tensor, stacked: bool
 ) -> torch.Tensor:
@@ -326,14 +337,7 @@ def quantize(
     x = x.detach().contiguous()
     k = shape[-1]
     lead = shape[:-1]
-    # x as b matrices of r rows: 128x128 tiles per matrix, and per-expert tensor-level scales
-    # (fp8 "tensor", the NVFP4 global scale) with stacked=True; rows of one matrix otherwise.
-    if gran == "128x128":
-        b, r = math.prod(shape[:-2]), shape[-2]
-    elif stacked and (gran == "tensor" or fmt.family == "nvfp4"):
-        b, r = shape[0], math.prod(shape[1:-1])
-    else:
-        b, r = 1, math.prod(lead)
+    b, r = _matrices(shape, fmt, gran, stacked)
 
     if _use_native(x, backend):
         # The kernels write into the buffers of the result (out's, or new ones in its layout).
@@ -470,10 +474,9 @@ def _check_dequant_layout(q: QuantizedTensor, fmt: Format) -> None:
 
 
 def _canonical_nans(t: torch.Tensor) -> torch.Tensor:
-    """t with every NaN written as its dtype's canonical quiet NaN (in place)."""
-    nan = torch.isnan(t)
-    if bool(nan.any()):
-        t.view(_INT_VIEW[t.dtype])[nan] = _CANONICAL_NAN[t.dtype]
+    """t with every NaN written as its dtype's canonical quiet NaN (in place; no host sync, so
+    a CUDA dequantize stays asynchronous)."""
+    t.view(_INT_VIEW[t.dtype]).masked_fill_(torch.isnan(t), _CANONICAL_NAN[t.dtype])
     return t
 
 
@@ -550,12 +553,7 @@ def dequantize(
         if result.numel() == 0:  # no elements (the layouts may still hold a tensor-level scale)
             return result
         k = shape[-1]
-        if q.granularity == "128x128":
-            b, r = math.prod(shape[:-2]), shape[-2]
-        elif q.stacked and (q.granularity == "tensor" or fmt.family == "nvfp4"):
-            b, r = shape[0], math.prod(shape[1:-1])
-        else:
-            b, r = 1, math.prod(shape[:-1])
+        b, r = _matrices(shape, fmt, q.granularity, q.stacked)
         if fmt.family == "fp8":
             tile = fp8_tile(q.granularity, r, k)
             kind = _SCALE_KINDS[torch.float32]
