@@ -1,5 +1,6 @@
-// Leaf kernels compiled with -mavx2 (CMakeLists.txt); used only when the CPU has AVX2: the
-// scalar kernels of cpu_kernels.h (auto-vectorized) and an explicit AVX2 dequantization.
+// Leaf kernels compiled with -mavx2 (CMakeLists.txt); used only when the CPU has AVX2: explicit
+// AVX2 quantizers (avx2_quant.h) and dequantization (avx2_dequant.h) in place of the scalar
+// kernels of cpu_kernels.h, which stay for what those leave to them (fp16 dequantized outputs).
 #include <immintrin.h>
 
 #define MQ_CPU_NS avx2
@@ -9,11 +10,19 @@ namespace miles_quant {
 namespace cpu {
 namespace avx2 {
 #include "avx2_dequant.h"  // dequant_rows_avx2
+#include "avx2_quant.h"    // q2::
 }  // namespace avx2
 
 const Leaf& leaf_avx2() {
   static const Leaf leaf = [] {
     Leaf l = avx2::make_leaf("avx2");
+    l.amax = avx2::q2::amax_v;
+    l.encode = avx2::q2::encode_v;
+    l.fp8_flat = avx2::q2::fp8_flat_v;
+    l.fp8_tiles = avx2::q2::fp8_tiles_v;
+    l.mx_rows = avx2::q2::mx_rows_v;
+    l.nvfp4_rows = avx2::q2::nvfp4_rows_v;
+    l.int4_rows = avx2::q2::int4_rows_v;
     l.dequant_rows = avx2::dequant_rows_avx2;
     return l;
   }();
