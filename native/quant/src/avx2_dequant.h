@@ -1,7 +1,6 @@
 // AVX2 dequantization: the AVX-512 kernel's steps (avx512_dequant.h) on 8 fp32 lanes, for hosts
-// without AVX-512 (AMD Zen 2 / Zen 3, older Intel). fp32 and bf16 outputs; fp16 outputs (which
-// need F16C to convert on the vector) and the shapes the vector loops do not cover run through
-// the scalar dequant_cols of cpu_kernels.h, the same function.
+// without AVX-512 (AMD Zen 2 / Zen 3, older Intel). The shapes the vector loops do not cover run
+// through the scalar dequant_cols of cpu_kernels.h, the same function.
 //
 // Included by cpu_isa_avx2.cpp (after immintrin.h and cpu_kernels.h) inside namespace
 // miles_quant::cpu::avx2.
@@ -12,6 +11,8 @@
 //   exponent-all-ones codes are Inf (0x7C) and NaN (above).
 // - E2M1 / INT4 nibbles: a 16-entry table by two vpermps and a blend on the index's bit 3.
 // - bf16: RNE by the integer carry of f32_to_bf16; NaN lanes get the canonical code.
+// - fp16: vcvtps2ph (F16C) with round-to-nearest-even, overflow to Inf as f32_to_f16_rne; NaN
+//   lanes are made the canonical fp32 NaN first, which converts to the canonical 0x7E00.
 #pragma once
 
 
@@ -68,6 +69,10 @@ static inline void store_halves16(void* out, int64_t i, __m256 v0, __m256 v1) {
     float* o = static_cast<float*>(out) + i;
     _mm256_storeu_ps(o, canonical(v0));
     _mm256_storeu_ps(o + 8, canonical(v1));
+  } else if constexpr (O == DType::f16) {
+    __m128i* o = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i);
+    _mm_storeu_si128(o, _mm256_cvtps_ph(canonical(v0), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128(o + 1, _mm256_cvtps_ph(canonical(v1), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   } else {
     const __m256i p = _mm256_packus_epi32(bf16_halves(v0), bf16_halves(v1));  // 128-bit lanes
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), _mm256_permute4x64_epi64(p, 0xD8));
@@ -77,13 +82,20 @@ static inline void store_halves16(void* out, int64_t i, __m256 v0, __m256 v1) {
 // 16 outputs at i from the even (lane k: element 2k) and odd values.
 template <DType O>
 static inline void store_pairs16(void* out, int64_t i, __m256 even, __m256 odd) {
-  if constexpr (O == DType::f32) {
+  if constexpr (O == DType::f32 || O == DType::f16) {
     even = canonical(even);
     odd = canonical(odd);
     const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
-    float* o = static_cast<float*>(out) + i;
-    _mm256_storeu_ps(o, _mm256_permute2f128_ps(lo, hi, 0x20));
-    _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    const __m256 v0 = _mm256_permute2f128_ps(lo, hi, 0x20), v1 = _mm256_permute2f128_ps(lo, hi, 0x31);
+    if constexpr (O == DType::f32) {
+      float* o = static_cast<float*>(out) + i;
+      _mm256_storeu_ps(o, v0);
+      _mm256_storeu_ps(o + 8, v1);
+    } else {
+      __m128i* o = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i);
+      _mm_storeu_si128(o, _mm256_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      _mm_storeu_si128(o + 1, _mm256_cvtps_ph(v1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
   } else {
     const __m256i w = _mm256_or_si256(bf16_halves(even), _mm256_slli_epi32(bf16_halves(odd), 16));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), w);
@@ -137,5 +149,5 @@ static void dequant_rows_avx2(const DequantArgs& a, int64_t r0, int64_t r1) {
   else if (a.out_dtype == DType::bf16)
     dq2::rows<DType::bf16>(a, r0, r1);
   else
-    dequant_rows(a, r0, r1);  // fp16: the scalar code (no F16C assumed)
+    dq2::rows<DType::f16>(a, r0, r1);
 }

@@ -5,9 +5,8 @@
 // Included by cpu_isa_avx2.cpp (after immintrin.h and cpu_kernels.h) inside namespace
 // miles_quant::cpu::avx2. Every lane-wise step is the twin of a scalar step of the contract, as in
 // the AVX-512 kernels (avx512_kernels.h says why each is exact):
-// - inputs widen to fp32 exactly: bf16 by a shift; fp16 (no F16C assumed) by placing its bits
-//   at bit 13 and one exact multiplication by 2^112 (subnormal halves are fp32 subnormals there,
-//   and DAZ is clear on our threads), Inf and NaN patched in by a compare;
+// - inputs widen to fp32 exactly: bf16 by a shift, fp16 by vcvtph2ps (F16C, which every AVX2
+//   CPU has; the leaf is chosen only where both are there);
 // - element encoding is simd::encode of avx512_simd.h (integer RNE for normal targets, one exact
 //   fp32 addition for subnormal ones) and E2M1 is e2m1_magnitude of avx512_mx.h (one fp32
 //   addition onto the grid, its two 8-entry tables indexed by the exponent's low 3 bits);
@@ -41,18 +40,16 @@ MQ2_INLINE V as_f(I v) { return _mm256_castsi256_ps(v); }
 // Bytes of input a prefetch requests ahead of the current position (see simd::kPrefetchAhead).
 constexpr int64_t kAhead = 4096;
 
-// |fp16| bits (sign cleared) in each 32-bit lane -> fp32, exactly.
-MQ2_INLINE V f16_mag(I em) {
-  const I sh = _mm256_slli_epi32(em, 13);
-  const I mag = bits(_mm256_mul_ps(as_f(sh), f32(0x1p112f)));
-  const I special = _mm256_cmpgt_epi32(sh, u32((0x7BFFu << 13) | 0x1FFFu));  // Inf or NaN
-  return as_f(_mm256_blendv_epi8(mag, _mm256_or_si256(sh, u32(kF32InfBits)), special));
-}
-
-// fp16 bits in the low half of each lane (the high half is ignored) -> fp32, exactly.
-MQ2_INLINE V f16_widen(I h) {
-  const I sign = _mm256_slli_epi32(_mm256_and_si256(h, u32(0x8000)), 16);
-  return as_f(_mm256_or_si256(bits(f16_mag(_mm256_and_si256(h, u32(0x7FFF)))), sign));
+// 16 fp16 inputs (v) widened by vcvtph2ps as pairs: *even elements 0, 2, .., 14, *odd 1, .., 15.
+// vcvtph2ps is exact for every finite and infinite fp16, subnormals included (DAZ is clear on
+// our threads); it quiets a signalling NaN, which only a poisoned group holds, and such a
+// group's codes are never computed from its elements.
+MQ2_INLINE void f16_pairs(I v, V* even, V* odd) {
+  const I idx = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,  //
+                                 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  const I w = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, idx), 0xD8);  // evens, then odds
+  *even = _mm256_cvtph_ps(_mm256_castsi256_si128(w));
+  *odd = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
 }
 
 // 16 inputs as pairs: lane i of *even is element 2i, of *odd element 2i + 1, widened exactly.
@@ -69,8 +66,7 @@ MQ2_INLINE void pairs16(const typename In<D>::T* p, V* even, V* odd) {
       *even = as_f(_mm256_slli_epi32(v, 16));
       *odd = as_f(_mm256_and_si256(v, u32(0xFFFF0000u)));
     } else {
-      *even = f16_widen(v);
-      *odd = f16_widen(_mm256_srli_epi32(v, 16));
+      f16_pairs(v, even, odd);
     }
   }
 }
@@ -95,8 +91,7 @@ MQ2_INLINE void mag_pairs16(const typename In<D>::T* p, V* even, V* odd, I* sign
       *even = as_f(_mm256_slli_epi32(_mm256_and_si256(v, u32(0x7FFFu)), 16));
       *odd = as_f(_mm256_and_si256(v, u32(0x7FFF0000u)));
     } else {
-      *even = f16_mag(_mm256_and_si256(v, u32(0x7FFFu)));
-      *odd = f16_mag(_mm256_srli_epi32(_mm256_andnot_si256(*sign, v), 16));
+      f16_pairs(_mm256_andnot_si256(*sign, v), even, odd);
     }
   }
 }
@@ -314,11 +309,11 @@ MQ2_INLINE I acc_abs(const typename In<D>::T* x, int64_t n, I acc) {
   return acc;
 }
 
-// 16-bit |x| bits (the low half of each lane) as fp32 amax bits.
+// 8 16-bit |x| bits as fp32 amax bits (exactly; a NaN stays above Inf).
 template <DType D>
-MQ2_INLINE I widen_amax(I h) {
-  if constexpr (D == DType::bf16) return _mm256_slli_epi32(h, 16);
-  return bits(f16_widen(h));  // exact; a NaN stays above Inf
+MQ2_INLINE I widen_amax(__m128i h) {
+  if constexpr (D == DType::bf16) return _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+  return bits(_mm256_cvtph_ps(h));
 }
 
 // Lane k = the amax bits (fp32) of acc[k], for 8 accumulators as acc_abs leaves them: a
@@ -340,7 +335,7 @@ MQ2_INLINE I amax8(const I* m) {
       u[k] = _mm256_max_epu16(_mm256_unpacklo_epi32(t[2 * k], t[2 * k + 1]), _mm256_unpackhi_epi32(t[2 * k], t[2 * k + 1]));
     const I z = _mm256_max_epu16(_mm256_unpacklo_epi64(u[0], u[1]), _mm256_unpackhi_epi64(u[0], u[1]));  // m[0..7] per half
     const __m128i h = _mm_max_epu16(_mm256_castsi256_si128(z), _mm256_extracti128_si256(z, 1));
-    return widen_amax<D>(_mm256_cvtepu16_epi32(h));
+    return widen_amax<D>(h);
   }
 }
 
@@ -357,7 +352,7 @@ template <DType D>
 MQ2_INLINE uint32_t amax1(I acc) {
   if constexpr (D == DType::f32) return hmax(acc);
   const __m128i h = _mm_max_epu16(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  return hmax(widen_amax<D>(_mm256_cvtepu16_epi32(h)));
+  return hmax(widen_amax<D>(h));
 }
 
 // amax over a long flat range (a tensor-level scale), as simd::amax_stream: kStreams sub-ranges

@@ -17,6 +17,7 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #define MQ_X86 1
+#include <cpuid.h>
 #include <xmmintrin.h>
 #endif
 
@@ -38,7 +39,10 @@ const Leaf& leaf() {
     const std::string want = force ? force : "";
 #if MQ_X86
     __builtin_cpu_init();
-    const bool avx2 = __builtin_cpu_supports("avx2");
+    // The AVX2 leaf also converts fp16 with F16C (CPUID.1:ECX bit 29), which every AVX2 CPU has.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+    const bool avx2 = __builtin_cpu_supports("avx2") && f16c;
     const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                         __builtin_cpu_supports("avx512dq");

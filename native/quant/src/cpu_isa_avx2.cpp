@@ -1,6 +1,6 @@
-// Leaf kernels compiled with -mavx2 (CMakeLists.txt); used only when the CPU has AVX2: explicit
-// AVX2 quantizers (avx2_quant.h) and dequantization (avx2_dequant.h) in place of the scalar
-// kernels of cpu_kernels.h, which stay for what those leave to them (fp16 dequantized outputs).
+// Leaf kernels compiled with -mavx2 -mf16c (CMakeLists.txt); used only when the CPU has both.
+// Explicit AVX2 quantizers (avx2_quant.h) and dequantization (avx2_dequant.h) in place of the scalar
+// kernels of cpu_kernels.h, which stay for what those leave to them (tails, odd tile widths).
 #include <immintrin.h>
 
 #define MQ_CPU_NS avx2
