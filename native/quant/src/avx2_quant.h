@@ -651,7 +651,16 @@ static void nvfp4_rows(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint32_
       }
       for (int64_t r = r0; r < r1; ++r) {
         std::memcpy(a.scales + r * nc + j0, sc, static_cast<size_t>(ng));
-        for (int64_t k = 0; k < ng; ++k) {
+        int64_t k = 0;
+        // Two whole blocks at a time (one 16-byte store); a pair with a poisoned block, and the
+        // row's tail, one block at a time.
+        for (; k + 2 <= ng && c0 + (k + 2) * 16 <= C; k += 2) {
+          if (is_poisoned(amax[k]) || is_poisoned(amax[k + 1])) break;
+          const auto* xk = x + r * C + c0 + k * 16;
+          store32<true>(a.out + r * out_stride + c0 / 2 + k * 8, codes16<D>(xk, MulCode<E2M1>{f32(factor[k])}),
+                        codes16<D>(xk + 16, MulCode<E2M1>{f32(factor[k + 1])}));
+        }
+        for (; k < ng; ++k) {
           const int64_t c = c0 + k * 16, n = lo(16, C - c);
           uint8_t* o = a.out + r * out_stride + c / 2;
           if (is_poisoned(amax[k]))  // only with a given global scale: else the matrix is poisoned
