@@ -547,6 +547,21 @@ static void fp8_tiles(const Fp8Args& a, int64_t t0, int64_t t1) {
   }
 }
 
+// Rows [r0, r1) of a row-major [*, C] matrix of groups of g columns along the row, a chunk of
+// at most cg groups at a time: f(row, first group, groups, their amaxes) after chunk_amax.
+template <DType D, int64_t G, class Fn>
+MQ2_INLINE void row_chunks(const typename In<D>::T* xs, int64_t r0, int64_t r1, int64_t C, int64_t g, const Fn& f) {
+  const int64_t ng_row = (C + g - 1) / g, cg = chunk_groups(1, g, sizeof(*xs));
+  alignas(32) uint32_t amax[kMaxGroups];
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t j0 = 0; j0 < ng_row; j0 += cg) {
+      const int64_t ng = lo(cg, ng_row - j0);
+      chunk_amax<D, G>(xs + r * C, C, 0, 1, j0 * g, g, ng, amax);
+      f(r, j0, ng, static_cast<const uint32_t*>(amax));
+    }
+  }
+}
+
 // ---- MX: 1x32 blocks, E8M0 scales ----------------------------------------------------------------
 
 // e8m0_code<F> of 8 block amaxes (not poisoned): e8m0_codes of avx512_mx.h.
@@ -574,38 +589,29 @@ MQ2_INLINE V e8m0_inverses(I code) {
 
 template <DType D, class F>
 static void mx_rows(const MxArgs& a, int64_t r0, int64_t r1) {
-  using T = typename In<D>::T;
   constexpr int64_t kBlock = 32;
   constexpr bool kPacked = F::kEbits + F::kMbits == 3;
-  const auto* xs = static_cast<const T*>(a.x);
+  const auto* xs = static_cast<const typename In<D>::T*>(a.x);
   const int64_t C = a.cols, out_stride = kPacked ? (C + 1) / 2 : C, nblk = (C + kBlock - 1) / kBlock;
-  const int64_t cg = chunk_groups(1, kBlock, sizeof(T));
-  alignas(32) uint32_t amax[kMaxGroups];
   alignas(32) float inv[kMaxGroups];
   alignas(16) uint8_t sc[kMaxGroups + 8];
-  for (int64_t r = r0; r < r1; ++r) {
-    const auto* x = xs + r * C;
-    uint8_t* out = a.out + r * out_stride;
-    for (int64_t j0 = 0; j0 < nblk; j0 += cg) {
-      const int64_t ng = lo(cg, nblk - j0), c0 = j0 * kBlock;
-      chunk_amax<D, kBlock>(x, C, 0, 1, c0, kBlock, ng, amax);
-      for (int64_t k = 0; k < ng; k += 8) {
-        const I m = _mm256_load_si256(reinterpret_cast<const __m256i*>(amax + k));
-        const I code = _mm256_blendv_epi8(e8m0_codes<F>(a.rule, m), u32(kE8M0Nan), poisoned_lanes(m));
-        _mm256_store_ps(inv + k, e8m0_inverses(code));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(sc + k), bytes8(code));
-      }
-      std::memcpy(a.scales + r * nblk + j0, sc, static_cast<size_t>(ng));
-      for (int64_t k = 0; k < ng; ++k) {
-        const int64_t c = c0 + k * kBlock, n = lo(kBlock, C - c);
-        uint8_t* o = out + (kPacked ? c / 2 : c);
-        if (is_poisoned(amax[k]))
-          std::memset(o, static_cast<int>(F::kNanCode), static_cast<size_t>(kPacked ? (n + 1) / 2 : n));
-        else
-          code_group<D, kBlock>(x + c, n, MulCode<F>{f32(inv[k])}, o);
-      }
+  row_chunks<D, kBlock>(xs, r0, r1, C, kBlock, [&](int64_t r, int64_t j0, int64_t ng, const uint32_t* amax) {
+    for (int64_t k = 0; k < ng; k += 8) {
+      const I m = _mm256_load_si256(reinterpret_cast<const __m256i*>(amax + k));
+      const I code = _mm256_blendv_epi8(e8m0_codes<F>(a.rule, m), u32(kE8M0Nan), poisoned_lanes(m));
+      _mm256_store_ps(inv + k, e8m0_inverses(code));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(sc + k), bytes8(code));
     }
-  }
+    std::memcpy(a.scales + r * nblk + j0, sc, static_cast<size_t>(ng));
+    for (int64_t k = 0; k < ng; ++k) {
+      const int64_t c = (j0 + k) * kBlock, n = lo(kBlock, C - c);
+      uint8_t* o = a.out + r * out_stride + (kPacked ? c / 2 : c);
+      if (is_poisoned(amax[k]))
+        std::memset(o, static_cast<int>(F::kNanCode), static_cast<size_t>(kPacked ? (n + 1) / 2 : n));
+      else
+        code_group<D, kBlock>(xs + r * C + c, n, MulCode<F>{f32(inv[k])}, o);
+    }
+  });
 }
 
 // ---- NVFP4: 1x16 or 16x16 blocks, E4M3 block scales ------------------------------------------------
@@ -677,36 +683,28 @@ static void nvfp4_rows(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint32_
 
 template <DType D, int64_t G>
 static void int4_rows(const Int4Args& a, int64_t r0, int64_t r1) {
-  using T = typename In<D>::T;
-  const auto* xs = static_cast<const T*>(a.x);
+  const auto* xs = static_cast<const typename In<D>::T*>(a.x);
   const int64_t C = a.cols, g = G != 0 ? G : a.group, out_stride = (C + 1) / 2, ng_row = (C + g - 1) / g;
-  const int64_t cg = chunk_groups(1, g, sizeof(T));
-  alignas(32) uint32_t amax[kMaxGroups];
   alignas(32) float s[kMaxGroups];
-  for (int64_t r = r0; r < r1; ++r) {
-    const auto* x = xs + r * C;
-    uint8_t* out = a.out + r * out_stride;
-    for (int64_t j0 = 0; j0 < ng_row; j0 += cg) {
-      const int64_t ng = lo(cg, ng_row - j0), c0 = j0 * g;
-      chunk_amax<D, G>(x, C, 0, 1, c0, g, ng, amax);
-      // int4_scale: max(amax / 7, 1e-5); stored in the scale dtype and widened back (store_scale).
-      for (int64_t k = 0; k < ng; k += 8) {
-        const V m = _mm256_load_ps(reinterpret_cast<const float*>(amax + k));
-        _mm256_store_ps(s + k, _mm256_max_ps(_mm256_div_ps(m, f32(kInt4Qmax)), f32(kInt4ScaleMin)));
-      }
-      for (int64_t k = 0; k < ng; ++k) {
-        const bool bad = is_poisoned(amax[k]);
-        s[k] = store_scale(bad ? bits_f32(kF32QuietNan) : s[k], a.scale_dtype, a.scales, r * ng_row + j0 + k);
-      }
-      for (int64_t k = 0; k < ng; ++k) {
-        const int64_t c = c0 + k * g, n = lo(g, C - c);
-        if (is_poisoned(amax[k]))
-          std::memset(out + c / 2, 0x88, static_cast<size_t>((n + 1) / 2));
-        else
-          code_group<D, G>(x + c, n, Int4Div{f32(s[k])}, out + c / 2);
-      }
+  row_chunks<D, G>(xs, r0, r1, C, g, [&](int64_t r, int64_t j0, int64_t ng, const uint32_t* amax) {
+    // int4_scale: max(amax / 7, 1e-5); stored in the scale dtype and widened back (store_scale).
+    for (int64_t k = 0; k < ng; k += 8) {
+      const V m = _mm256_load_ps(reinterpret_cast<const float*>(amax + k));
+      _mm256_store_ps(s + k, _mm256_max_ps(_mm256_div_ps(m, f32(kInt4Qmax)), f32(kInt4ScaleMin)));
     }
-  }
+    for (int64_t k = 0; k < ng; ++k) {
+      const bool bad = is_poisoned(amax[k]);
+      s[k] = store_scale(bad ? bits_f32(kF32QuietNan) : s[k], a.scale_dtype, a.scales, r * ng_row + j0 + k);
+    }
+    uint8_t* out = a.out + r * out_stride;
+    for (int64_t k = 0; k < ng; ++k) {
+      const int64_t c = (j0 + k) * g, n = lo(g, C - c);
+      if (is_poisoned(amax[k]))
+        std::memset(out + c / 2, 0x88, static_cast<size_t>((n + 1) / 2));
+      else
+        code_group<D, G>(xs + r * C + c, n, Int4Div{f32(s[k])}, out + c / 2);
+    }
+  });
 }
 
 // ---- dispatch into the Leaf -----------------------------------------------------------------------
