@@ -40,34 +40,34 @@ MQ2_INLINE V as_f(I v) { return _mm256_castsi256_ps(v); }
 // Bytes of input a prefetch requests ahead of the current position (see simd::kPrefetchAhead).
 constexpr int64_t kAhead = 4096;
 
-// 16 fp16 inputs (v) widened by vcvtph2ps as pairs: *even elements 0, 2, .., 14, *odd 1, .., 15.
+// 16 inputs as pairs: lane i of *even holds element 2i of pair i, *odd element 2i + 1, widened
+// exactly. bf16 lanes hold pairs 0-7 in order. fp16 (widened by vcvtph2ps) and fp32 are split
+// by vshufps from two vectors of 8, which leaves the pairs in lanes 0, 1, 4, 5 | 2, 3, 6, 7
+// (kSwizzled): the packing puts them back in order for free (store16, store32), where fixing
+// the lanes here took two more shuffles on the one shuffle port of an Intel core.
 // vcvtph2ps is exact for every finite and infinite fp16, subnormals included (DAZ is clear on
 // our threads); it quiets a signalling NaN, which only a poisoned group holds, and such a
 // group's codes are never computed from its elements.
-MQ2_INLINE void f16_pairs(I v, V* even, V* odd) {
-  const I idx = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,  //
-                                 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-  const I w = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, idx), 0xD8);  // evens, then odds
-  *even = _mm256_cvtph_ps(_mm256_castsi256_si128(w));
-  *odd = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
-}
+template <DType D>
+constexpr bool kSwizzled = D != DType::bf16;
 
-// 16 inputs as pairs: lane i of *even is element 2i, of *odd element 2i + 1, widened exactly.
 template <DType D>
 MQ2_INLINE void pairs16(const typename In<D>::T* p, V* even, V* odd) {
-  if constexpr (D == DType::f32) {
-    const V a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
-    // vshufps picks elements 0, 2, 8, 10 | 4, 6, 12, 14: qwords 0, 2, 1, 3 put them in order.
-    *even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
-    *odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
-  } else {
+  if constexpr (D == DType::bf16) {
     const I v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    if constexpr (D == DType::bf16) {
-      *even = as_f(_mm256_slli_epi32(v, 16));
-      *odd = as_f(_mm256_and_si256(v, u32(0xFFFF0000u)));
+    *even = as_f(_mm256_slli_epi32(v, 16));
+    *odd = as_f(_mm256_and_si256(v, u32(0xFFFF0000u)));
+  } else {
+    V a, b;
+    if constexpr (D == DType::f32) {
+      a = _mm256_loadu_ps(p);
+      b = _mm256_loadu_ps(p + 8);
     } else {
-      f16_pairs(v, even, odd);
+      a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
     }
+    *even = _mm256_shuffle_ps(a, b, 0x88);  // elements 0, 2, 8, 10 | 4, 6, 12, 14
+    *odd = _mm256_shuffle_ps(a, b, 0xDD);
   }
 }
 
@@ -77,22 +77,18 @@ MQ2_INLINE void pairs16(const typename In<D>::T* p, V* even, V* odd) {
 // (x / s and x * factor keep x's sign, zeros included: s and factor are positive).
 template <DType D>
 MQ2_INLINE void mag_pairs16(const typename In<D>::T* p, V* even, V* odd, I* sign) {
-  if constexpr (D == DType::f32) {
+  if constexpr (D == DType::bf16) {
+    const I v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    *sign = _mm256_and_si256(v, u32(0x80008000u));
+    *even = as_f(_mm256_slli_epi32(_mm256_and_si256(v, u32(0x7FFFu)), 16));
+    *odd = as_f(_mm256_and_si256(v, u32(0x7FFF0000u)));
+  } else {
     V e, o;
     pairs16<D>(p, &e, &o);
     *sign = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(bits(e), 16), u32(0x8000u)),
                             _mm256_and_si256(bits(o), u32(0x80000000u)));
     *even = _mm256_and_ps(e, as_f(u32(kF32AbsMask)));
     *odd = _mm256_and_ps(o, as_f(u32(kF32AbsMask)));
-  } else {
-    const I v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    *sign = _mm256_and_si256(v, u32(0x80008000u));
-    if constexpr (D == DType::bf16) {
-      *even = as_f(_mm256_slli_epi32(_mm256_and_si256(v, u32(0x7FFFu)), 16));
-      *odd = as_f(_mm256_and_si256(v, u32(0x7FFF0000u)));
-    } else {
-      f16_pairs(_mm256_andnot_si256(*sign, v), even, odd);
-    }
   }
 }
 
@@ -239,26 +235,33 @@ MQ2_INLINE I nibble_bytes(I v, bool second) {
   return _mm256_shuffle_epi8(_mm256_or_si256(v, _mm256_srli_epi32(v, 12)), idx);
 }
 
-// 16 codes (codes16) to their bytes: 16 (FP8) or 8 (packed).
-template <bool kPacked>
+// 16 codes (codes16) to their bytes: 16 (FP8) or 8 (packed). kSwz: the pairs lie in lanes 0, 1,
+// 4, 5 | 2, 3, 6, 7 (kSwizzled), so the halves interleave by words (packed: pair 2k, 2k + 1 of
+// each half in turn) or dwords (FP8: 4 codes of each half in turn).
+template <bool kPacked, bool kSwz>
 MQ2_INLINE void store16(uint8_t* out, I w) {
   if constexpr (kPacked) {
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), halves_interleaved(nibble_bytes(w, false)));
+    const I q = nibble_bytes(w, false);
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), kSwz ? _mm_unpacklo_epi16(lo, hi) : _mm_unpacklo_epi32(lo, hi));
   } else {
-    const I p = _mm256_packus_epi16(w, w);  // codes 0-7 0-7 | 8-15 8-15
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08)));
+    const I p = _mm256_packus_epi16(w, w);  // in order (kSwz false): codes 0-7 0-7 | 8-15 8-15
+    const __m128i b = kSwz ? halves_interleaved(p) : _mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), b);
   }
 }
 
 // 32 codes (two codes16) to 32 (FP8) or 16 (packed) bytes.
-template <bool kPacked>
+template <bool kPacked, bool kSwz>
 MQ2_INLINE void store32(uint8_t* out, I w0, I w1) {
   if constexpr (kPacked) {
     const I q = _mm256_or_si256(nibble_bytes(w0, false), nibble_bytes(w1, true));  // w0 0-3, w1 0-3 | w0 4-7, w1 4-7
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), halves_interleaved(q));
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), kSwz ? _mm_unpacklo_epi16(lo, hi) : _mm_unpacklo_epi32(lo, hi));
   } else {
-    const I p = _mm256_packus_epi16(w0, w1);  // qwords: w0 0-7, w1 0-7, w0 8-15, w1 8-15
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(p, 0xD8));
+    const I p = _mm256_packus_epi16(w0, w1);  // in order (kSwz false): qwords w0 0-7, w1 0-7, w0 8-15, w1 8-15
+    const I b = kSwz ? _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)) : _mm256_permute4x64_epi64(p, 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), b);
   }
 }
 
@@ -274,15 +277,15 @@ MQ2_INLINE void code_run(const typename In<D>::T* x, int64_t n, const Op& op, ui
       const char* ahead = reinterpret_cast<const char*>(x + i) + kAhead;
       for (size_t k = 0; k < 32 * sizeof(*x); k += 64) _mm_prefetch(ahead + k, _MM_HINT_T0);
     }
-    store32<kPacked>(out + i / 2 * kOut, codes16<D>(x + i, op), codes16<D>(x + i + 16, op));
+    store32<kPacked, kSwizzled<D>>(out + i / 2 * kOut, codes16<D>(x + i, op), codes16<D>(x + i + 16, op));
   }
   if (i + 16 <= n) {
-    store16<kPacked>(out + i / 2 * kOut, codes16<D>(x + i, op));
+    store16<kPacked, kSwizzled<D>>(out + i / 2 * kOut, codes16<D>(x + i, op));
     i += 16;
   }
   if (i < n) {
     alignas(16) uint8_t buf[16];
-    store16<kPacked>(buf, codes16_tail<D>(x + i, n - i, op));
+    store16<kPacked, kSwizzled<D>>(buf, codes16_tail<D>(x + i, n - i, op));
     std::memcpy(out + i / 2 * kOut, buf, static_cast<size_t>(kPacked ? (n - i + 1) / 2 : n - i));
   }
 }
@@ -457,8 +460,8 @@ MQ2_INLINE void code_group(const typename In<D>::T* x, int64_t n, const Op& op, 
   if constexpr (G != 0 && G % 16 == 0) {
     if (n == G) {
       int64_t i = 0;
-      for (; i + 32 <= G; i += 32) store32<Op::kPacked>(out + i / 2 * kOut, codes16<D>(x + i, op), codes16<D>(x + i + 16, op));
-      if (i < G) store16<Op::kPacked>(out + i / 2 * kOut, codes16<D>(x + i, op));
+      for (; i + 32 <= G; i += 32) store32<Op::kPacked, kSwizzled<D>>(out + i / 2 * kOut, codes16<D>(x + i, op), codes16<D>(x + i + 16, op));
+      if (i < G) store16<Op::kPacked, kSwizzled<D>>(out + i / 2 * kOut, codes16<D>(x + i, op));
       return;
     }
   }
@@ -663,7 +666,7 @@ static void nvfp4_rows(const Nvfp4Args& a, int64_t t0, int64_t t1, const uint32_
         for (; k + 2 <= ng && c0 + (k + 2) * 16 <= C; k += 2) {
           if (is_poisoned(amax[k]) || is_poisoned(amax[k + 1])) break;
           const auto* xk = x + r * C + c0 + k * 16;
-          store32<true>(a.out + r * out_stride + c0 / 2 + k * 8, codes16<D>(xk, MulCode<E2M1>{f32(factor[k])}),
+          store32<true, kSwizzled<D>>(a.out + r * out_stride + c0 / 2 + k * 8, codes16<D>(xk, MulCode<E2M1>{f32(factor[k])}),
                         codes16<D>(xk + 16, MulCode<E2M1>{f32(factor[k + 1])}));
         }
         for (; k < ng; ++k) {
