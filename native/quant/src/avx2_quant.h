@@ -13,8 +13,10 @@
 // - scales are computed for 8 groups at a time with single IEEE fp32 operations (vdivps,
 //   vmulps, vmaxps / vminps as the contract's clamps on values that are not NaN; no FMA, no
 //   reciprocal estimate); INT4 scales are stored by the scalar store_scale;
-// - 16-bit inputs are read 16 at a time as pairs (lane i: elements 2i and 2i + 1), so that the
-//   codes pack back lane by lane, element 2i in the low byte or nibble.
+// - inputs are read 16 at a time as pairs (a lane holds elements 2i and 2i + 1), so that the
+//   codes pack back lane by lane, element 2i in the low byte or nibble (pairs16).
+// A tile row goes a chunk of groups at a time through three phases: amaxes, scales, codes
+// (the comment at kChunkBytes says why).
 // Groups whose amax is Inf or NaN (poisoned) are written with the contract's fill. Tails (a
 // partial group, rows not a multiple of 16) are read from a zero-padded copy: a zero encodes to
 // the pad code of every packed format (E2M1 0, INT4 8), and only the row's own bytes are written.
