@@ -55,7 +55,8 @@ def _edge_blocks(v: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 def _inputs() -> list[torch.Tensor]:
     """Every bf16 and fp16 pattern in wide and in narrow rows, and fp32 with low mantissa bits;
-    then every bf16 and fp16 pattern as a block amax (_edge_blocks), also widened to fp32."""
+    then every bf16 and fp16 pattern as a block amax (_edge_blocks), also widened to fp32; then
+    small odd shapes in every dtype."""
     g = torch.Generator().manual_seed(11)
     xs = []
     for v in (all_bf16(), all_fp16()):
@@ -66,6 +67,13 @@ def _inputs() -> list[torch.Tensor]:
     for v in (all_bf16(), all_fp16()):
         edge = _edge_blocks(v, g)
         xs += [edge, edge.float() * (1 + 2.0**-17)]
+    # Odd shapes: partial groups and tiles at every edge, a zero run and a NaN in some rows.
+    for i, (rows, cols) in enumerate(((1, 1), (3, 17), (17, 33), (32, 699), (130, 129))):
+        y = torch.randn(rows, cols, generator=g) * 10.0 ** (3 * i - 6)
+        y.view(-1)[: cols // 2] = 0
+        if rows > 2:
+            y[rows // 2, cols // 3] = float("nan")
+        xs += [y.to(dt) for dt in (torch.bfloat16, torch.float16, torch.float32)]
     return xs
 
 
@@ -83,5 +91,5 @@ def test_every_isa_gives_the_same_bits(isa: str, tmp_path: Path) -> None:
             data, scales, fmt, mine.shape, mine.dtype, gran, rule, gscale, False
         )
         assert_same_quantized(mine, other)
-        if i in (1, 4):  # narrower inputs: also against the reference
+        if i in (1, 4) or i >= 10:  # narrow rows and the odd shapes: also against the reference
             assert_same_quantized(other, mq.quantize(x, fmt, **kw, backend="torch"))
