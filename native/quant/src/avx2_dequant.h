@@ -105,7 +105,7 @@ static inline void store_pairs16(void* out, int64_t i, __m256 even, __m256 odd) 
 template <DType O>
 static void rows(const DequantArgs& a, int64_t r0, int64_t r1) {
   const int64_t C = a.cols, tc = a.tile_cols;
-  const int64_t nr = (a.rows + a.tile_rows - 1) / a.tile_rows, nc = (C + tc - 1) / tc;
+  const int64_t nc = (C + tc - 1) / tc;
   const bool packed = a.code == Code::e2m1 || a.code == Code::int4;
   const bool vector = tc % 16 == 0 || (!packed && nc == 1);
   const DqValues& values = dq_values();
@@ -116,8 +116,8 @@ static void rows(const DequantArgs& a, int64_t r0, int64_t r1) {
       dequant_cols(a, R, 0, C);
       continue;
     }
-    const int64_t b = R / a.rows, r = R % a.rows;
-    const int64_t base = (b * nr + r / a.tile_rows) * nc;
+    int64_t b;
+    const int64_t base = dq_row_scales(a, R, &b);
     const uint8_t* x = a.data + R * (packed ? (C + 1) / 2 : C);
     for (int64_t j = 0; j < nc; ++j) {
       const int64_t c1 = lo(C, (j + 1) * tc);

@@ -389,7 +389,9 @@ MQ2_INLINE uint32_t amax_stream(const typename In<D>::T* x, int64_t n) {
 // out-of-order execution still overlaps a chunk's amax loads with the codes of the one before
 // (16 KiB chunks were 10% slower for MX and INT4 than batches of 8 groups; 0.5 KiB no better
 // than 1 KiB).
-constexpr int64_t kChunkBytes = 1024, kMaxGroups = 256;
+constexpr int64_t kChunkBytes = 1024;
+// The most groups a chunk holds: the smallest group is 16 bf16 / fp16 inputs (NVFP4), 32 bytes.
+constexpr int64_t kMaxGroups = kChunkBytes / 32;
 
 MQ2_INLINE int64_t chunk_groups(int64_t tile_rows, int64_t g, int64_t size) {
   const int64_t cg = kChunkBytes / (tile_rows * g * size) / 8 * 8;

@@ -142,7 +142,7 @@ static inline void store32(void* out, int64_t i, __m512 even, __m512 odd) {
 template <DType O>
 static void rows(const DequantArgs& a, int64_t r0, int64_t r1) {
   const int64_t C = a.cols, tc = a.tile_cols;
-  const int64_t nr = (a.rows + a.tile_rows - 1) / a.tile_rows, nc = (C + tc - 1) / tc;
+  const int64_t nc = (C + tc - 1) / tc;
   const bool packed = a.code == Code::e2m1 || a.code == Code::int4;
   const bool vector = packed ? (tc == 16 || tc % 32 == 0) : (tc % 16 == 0 || nc == 1);
   const DqValues& values = dq_values();  // the scalar code's tables: decode<E2M1>, q - 8
@@ -152,8 +152,8 @@ static void rows(const DequantArgs& a, int64_t r0, int64_t r1) {
       dequant_cols(a, R, 0, C);
       continue;
     }
-    const int64_t b = R / a.rows, r = R % a.rows;
-    const int64_t base = (b * nr + r / a.tile_rows) * nc;
+    int64_t b;
+    const int64_t base = dq_row_scales(a, R, &b);
     const float g = a.global_scale != nullptr ? a.global_scale[b] : 1.0f;
     Window w;
     if (!packed) {

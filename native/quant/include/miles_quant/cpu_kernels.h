@@ -393,12 +393,21 @@ static inline void dq_store(void* out, int64_t i, float v) {
     static_cast<uint16_t*>(out)[i] = nan ? kF16QuietNan : f32_to_f16_rne(v);
 }
 
+// Output row R (of batch * rows): its matrix (*b) and the index of its first scale, that of tile
+// row r / tile_rows of matrix b in the [batch, ceil(rows / tile_rows), ceil(cols / tile_cols)]
+// scales.
+static inline int64_t dq_row_scales(const DequantArgs& a, int64_t R, int64_t* b) {
+  const int64_t nr = (a.rows + a.tile_rows - 1) / a.tile_rows, nc = (a.cols + a.tile_cols - 1) / a.tile_cols;
+  *b = R / a.rows;
+  return (*b * nr + R % a.rows / a.tile_rows) * nc;
+}
+
 // Columns [c0, c1) of output row R (of batch * rows): value(code) * scale, one group at a time.
 template <DType O, bool kPacked>
 static inline void dequant_cols_t(const DequantArgs& a, const float* values, int64_t R, int64_t c0, int64_t c1) {
-  const int64_t C = a.cols, tc = a.tile_cols, b = R / a.rows, r = R % a.rows;
-  const int64_t nr = (a.rows + a.tile_rows - 1) / a.tile_rows, nc = (C + tc - 1) / tc;
-  const int64_t base = (b * nr + r / a.tile_rows) * nc;
+  const int64_t C = a.cols, tc = a.tile_cols;
+  int64_t b;
+  const int64_t base = dq_row_scales(a, R, &b);
   const uint8_t* x = a.data + R * (kPacked ? (C + 1) / 2 : C);
   for (int64_t c = c0; c < c1;) {
     const int64_t j = c / tc, end = lo(c1, (j + 1) * tc);
