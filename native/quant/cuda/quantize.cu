@@ -18,6 +18,13 @@
 #include "miles_quant/elements.h"
 #include "quantize_cuda.h"
 
+// A kernel launch, kernel<<<grid, block, 0, stream>>>(args) written MQ_LAUNCH(grid, block, stream,
+// kernel)(args). The CPU emulator (cuda/emu, a test harness: -DMQ_CUDA_EMU with g++) defines it
+// to run the same kernel source on CPU fibers.
+#ifndef MQ_LAUNCH
+#define MQ_LAUNCH(grid, block, stream, ...) __VA_ARGS__<<<grid, block, 0, stream>>>
+#endif
+
 namespace miles_quant {
 namespace cuda {
 namespace {
@@ -493,10 +500,10 @@ uint32_t* matrix_amax(const void* x, int64_t B, int64_t per, cudaStream_t s) {
   if (B > 0 && per > 0) {
     if (per % 8 == 0 && aligned(x, 16)) {
       const unsigned gx = static_cast<unsigned>(imin(cdiv(per / 8, kThreads), 1024));
-      amax_vec_kernel<D><<<dim3(gx, static_cast<unsigned>(B)), kThreads, 0, s>>>(x, per, amax);
+      MQ_LAUNCH(dim3(gx, static_cast<unsigned>(B)), kThreads, s, amax_vec_kernel<D>)(x, per, amax);
     } else {
       const unsigned gx = static_cast<unsigned>(imin(cdiv(per, kThreads), 1024));
-      amax_kernel<D><<<dim3(gx, static_cast<unsigned>(B)), kThreads, 0, s>>>(x, per, amax);
+      MQ_LAUNCH(dim3(gx, static_cast<unsigned>(B)), kThreads, s, amax_kernel<D>)(x, per, amax);
     }
   }
   return amax;
@@ -513,16 +520,16 @@ struct Fp8Launch {
       if (a.batch > 0 && per % 8 == 0 && per > 0 && aligned(a.x, 16) && aligned(a.out, 8)) {
         const dim3 grid(static_cast<unsigned>(imin(cdiv(per / 8, kThreads), 4096)), static_cast<unsigned>(a.batch));
         if (e4m3)
-          fp8_flat_vec_kernel<D, E4M3><<<grid, kThreads, 0, s>>>(a, amax);
+          MQ_LAUNCH(grid, kThreads, s, fp8_flat_vec_kernel<D, E4M3>)(a, amax);
         else
-          fp8_flat_vec_kernel<D, E5M2><<<grid, kThreads, 0, s>>>(a, amax);
+          MQ_LAUNCH(grid, kThreads, s, fp8_flat_vec_kernel<D, E5M2>)(a, amax);
       } else if (a.batch > 0) {
         const dim3 grid(static_cast<unsigned>(imin(cdiv(per > 0 ? per : 1, kThreads), 4096)),
                         static_cast<unsigned>(a.batch));
         if (e4m3)
-          fp8_flat_kernel<D, E4M3><<<grid, kThreads, 0, s>>>(a, amax);
+          MQ_LAUNCH(grid, kThreads, s, fp8_flat_kernel<D, E4M3>)(a, amax);
         else
-          fp8_flat_kernel<D, E5M2><<<grid, kThreads, 0, s>>>(a, amax);
+          MQ_LAUNCH(grid, kThreads, s, fp8_flat_kernel<D, E5M2>)(a, amax);
       }
       cudaFreeAsync(amax, s);
       return static_cast<int>(cudaGetLastError());
@@ -532,19 +539,19 @@ struct Fp8Launch {
     if (vec && a.tile_rows == 1 && a.tile_cols == 128) {
       const unsigned grid = grid_for(chunk_threads<128>(a.batch * a.rows, a.cols));
       if (e4m3)
-        fp8_1x128_vec_kernel<D, E4M3><<<grid, kThreads, 0, s>>>(a);
+        MQ_LAUNCH(grid, kThreads, s, fp8_1x128_vec_kernel<D, E4M3>)(a);
       else
-        fp8_1x128_vec_kernel<D, E5M2><<<grid, kThreads, 0, s>>>(a);
+        MQ_LAUNCH(grid, kThreads, s, fp8_1x128_vec_kernel<D, E5M2>)(a);
     } else if (vec && a.tile_rows == 128 && a.tile_cols == 128) {
       if (e4m3)
-        fp8_block_vec_kernel<D, E4M3><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(a);
+        MQ_LAUNCH(static_cast<unsigned>(tiles), kThreads, s, fp8_block_vec_kernel<D, E4M3>)(a);
       else
-        fp8_block_vec_kernel<D, E5M2><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(a);
+        MQ_LAUNCH(static_cast<unsigned>(tiles), kThreads, s, fp8_block_vec_kernel<D, E5M2>)(a);
     } else if (tiles > 0) {
       if (e4m3)
-        fp8_tiles_kernel<D, E4M3><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(a);
+        MQ_LAUNCH(static_cast<unsigned>(tiles), kThreads, s, fp8_tiles_kernel<D, E4M3>)(a);
       else
-        fp8_tiles_kernel<D, E5M2><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(a);
+        MQ_LAUNCH(static_cast<unsigned>(tiles), kThreads, s, fp8_tiles_kernel<D, E5M2>)(a);
     }
     return static_cast<int>(cudaGetLastError());
   }
@@ -556,13 +563,13 @@ struct MxLaunch {
     const int64_t groups = a.rows * cdiv(a.cols, 32);
     if (groups > 0 && vec_ok(a.x, a.cols, a.out, a.elem == Elem::e2m1)) {
       const unsigned grid = grid_for(chunk_threads<32>(a.rows, a.cols));
-      if (a.elem == Elem::e4m3) mx_vec_kernel<D, E4M3><<<grid, kThreads, 0, s>>>(a);
-      if (a.elem == Elem::e5m2) mx_vec_kernel<D, E5M2><<<grid, kThreads, 0, s>>>(a);
-      if (a.elem == Elem::e2m1) mx_vec_kernel<D, E2M1><<<grid, kThreads, 0, s>>>(a);
+      if (a.elem == Elem::e4m3) MQ_LAUNCH(grid, kThreads, s, mx_vec_kernel<D, E4M3>)(a);
+      if (a.elem == Elem::e5m2) MQ_LAUNCH(grid, kThreads, s, mx_vec_kernel<D, E5M2>)(a);
+      if (a.elem == Elem::e2m1) MQ_LAUNCH(grid, kThreads, s, mx_vec_kernel<D, E2M1>)(a);
     } else if (groups > 0) {
-      if (a.elem == Elem::e4m3) mx_kernel<D, E4M3><<<grid_for(groups), kThreads, 0, s>>>(a);
-      if (a.elem == Elem::e5m2) mx_kernel<D, E5M2><<<grid_for(groups), kThreads, 0, s>>>(a);
-      if (a.elem == Elem::e2m1) mx_kernel<D, E2M1><<<grid_for(groups), kThreads, 0, s>>>(a);
+      if (a.elem == Elem::e4m3) MQ_LAUNCH(grid_for(groups), kThreads, s, mx_kernel<D, E4M3>)(a);
+      if (a.elem == Elem::e5m2) MQ_LAUNCH(grid_for(groups), kThreads, s, mx_kernel<D, E5M2>)(a);
+      if (a.elem == Elem::e2m1) MQ_LAUNCH(grid_for(groups), kThreads, s, mx_kernel<D, E2M1>)(a);
     }
     return static_cast<int>(cudaGetLastError());
   }
@@ -581,12 +588,12 @@ struct Nvfp4Launch {
     // with no elements), then the blocks.
     uint32_t* gamax = a.given_scale ? nullptr : matrix_amax<D>(a.x, a.batch, a.rows * a.cols, s);
     if (gamax == nullptr && !a.given_scale) return static_cast<int>(cudaGetLastError());
-    if (a.batch > 0 && !a.given_scale) nvfp4_global_only<<<grid_for(a.batch), kThreads, 0, s>>>(a, gamax);
+    if (a.batch > 0 && !a.given_scale) MQ_LAUNCH(grid_for(a.batch), kThreads, s, nvfp4_global_only)(a, gamax);
     const int64_t tiles = a.batch * cdiv(a.rows, a.tile16x16 ? 16 : 1) * cdiv(a.cols, 16);
     if (tiles > 0 && !a.tile16x16 && vec_ok(a.x, a.cols, a.out, true))
-      nvfp4_vec_kernel<D><<<grid_for(chunk_threads<16>(a.batch * a.rows, a.cols)), kThreads, 0, s>>>(a, gamax);
+      MQ_LAUNCH(grid_for(chunk_threads<16>(a.batch * a.rows, a.cols)), kThreads, s, nvfp4_vec_kernel<D>)(a, gamax);
     else if (tiles > 0)
-      nvfp4_kernel<D><<<grid_for(tiles), kThreads, 0, s>>>(a, gamax);
+      MQ_LAUNCH(grid_for(tiles), kThreads, s, nvfp4_kernel<D>)(a, gamax);
     if (gamax != nullptr) cudaFreeAsync(gamax, s);
     return static_cast<int>(cudaGetLastError());
   }
@@ -598,11 +605,11 @@ struct Int4Launch {
     const int64_t groups = a.rows * cdiv(a.cols, a.group);
     const bool vec = groups > 0 && vec_ok(a.x, a.cols, a.out, true);
     if (vec && a.group == 32)
-      int4_vec_kernel<D, 32><<<grid_for(chunk_threads<32>(a.rows, a.cols)), kThreads, 0, s>>>(a);
+      MQ_LAUNCH(grid_for(chunk_threads<32>(a.rows, a.cols)), kThreads, s, int4_vec_kernel<D, 32>)(a);
     else if (vec && a.group == 128)
-      int4_vec_kernel<D, 128><<<grid_for(chunk_threads<128>(a.rows, a.cols)), kThreads, 0, s>>>(a);
+      MQ_LAUNCH(grid_for(chunk_threads<128>(a.rows, a.cols)), kThreads, s, int4_vec_kernel<D, 128>)(a);
     else if (groups > 0)
-      int4_kernel<D><<<grid_for(groups), kThreads, 0, s>>>(a);
+      MQ_LAUNCH(grid_for(groups), kThreads, s, int4_kernel<D>)(a);
     return static_cast<int>(cudaGetLastError());
   }
 };

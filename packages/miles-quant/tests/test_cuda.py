@@ -190,22 +190,32 @@ def test_cuda_reference_backend_equals_cpu_reference(
 def test_cuda_nvfp4_with_a_given_global_scale_equals_reference(
     gran: str, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> None:
-    # No amax kernel then; a NaN poisons its block alone, values beyond 2688 * s saturate.
+    _given_scale_on_device_equals_reference("cuda", gran, dtype, shape)
+
+
+def _given_scale_on_device_equals_reference(
+    device: str, gran: str, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    # No amax kernel then; a NaN or an Inf poisons its block alone, values beyond 2688 * s
+    # saturate.
     stacked = len(shape) == 3
     if gran == "16x16" and shape[-2] % 16:
         pytest.skip("16x16 tiles need N % 16 == 0 here")
     g = torch.Generator().manual_seed(1)
     x = torch.randn(shape, generator=g) * torch.logspace(-4, 4, shape[-1])
+    x = x.clamp(-60000, 60000)
     x.view(-1, shape[-1])[3, 5] = float("nan")
-    x = x.clamp(-60000, 60000).to(dtype)
+    x.view(-1, shape[-1])[37, 40] = float("-inf")
+    x = x.to(dtype)
     scales = [torch.tensor(0.0123), torch.tensor(1.0)]
     if stacked:
         scales.append(torch.linspace(0.01, 3.0, shape[0]))
     for s in scales:
         kw = {"granularity": gran, "stacked": stacked, "global_scale": s}
         ref = mq.quantize(x, "nvfp4", backend="torch", **kw)  # type: ignore[arg-type]
-        got = mq.quantize(x.cuda(), "nvfp4", backend="native", **kw)  # type: ignore[arg-type]
-        torch.cuda.synchronize()
+        got = mq.quantize(x.to(device), "nvfp4", backend="native", **kw)  # type: ignore[arg-type]
+        if device == "cuda":
+            torch.cuda.synchronize()
         assert torch.equal(got.data.cpu(), ref.data)
         assert torch.equal(got.scales.cpu().view(torch.uint8), ref.scales.view(torch.uint8))
         assert torch.equal(got.global_scale.cpu(), ref.global_scale)

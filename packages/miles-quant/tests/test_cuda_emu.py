@@ -1,0 +1,188 @@
+"""The CUDA kernels (native/quant/cuda/quantize.cu), as written, on the CPU emulator
+(native/quant/cuda/emu): compiled by g++, each CUDA thread a fiber, shuffles and __syncthreads as
+barriers the emulator checks, behind the CUDA binding's own calls (bindings/cuda_calls.h). The
+kernels then run on every machine, not only where a GPU is lent: the inputs test_isa.py gives
+every CPU build (every bf16 and fp16 pattern, as elements and as block amaxes, odd shapes) and
+test_cuda.py's GPU cases, against the CPU kernels and the reference, bit for bit.
+
+This checks the kernels' logic: indexing, group and tile reductions, the vectorized and scalar
+paths and their choice, the contract arithmetic they call, the binding's argument mapping and
+size checks. It does not check nvcc's code generation (test_cuda.py compiles the kernels), the
+hardware FP8 conversion of sm_89+ (compiled out here; checked on an H200 over all 2^32 inputs by
+tools/bench/quant_cuda_cvt_probe.cu), races between blocks, or speed: those need a GPU
+(tools/gpu_checks/quant_cuda_check.sh)."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from _cuda_emu import FLAGS, NATIVE, WARNINGS, EmulatedCudaModule, build, compiler
+from _quant_testlib import assert_same_quantized, format_cases, require_native
+from test_cuda import (
+    SHAPE_IDS,
+    SHAPES,
+    _given_scale_on_device_equals_reference,
+    _native_calls_match_the_cuda_binding,
+    _on_device_equals_reference,
+)
+from test_isa import CASES as ISA_CASES
+from test_isa import _inputs
+
+import miles_quant as mq
+from miles_quant import _native
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="g++ not found: it builds the emulator")
+CASES = format_cases()
+INPUTS = functools.cache(_inputs)
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory: pytest.TempPathFactory) -> EmulatedCudaModule:
+    require_native()  # miles_quant.quantize(backend="native") needs the CPU extension loaded
+    return EmulatedCudaModule(build(tmp_path_factory.mktemp("cuda_emu")))
+
+
+@contextmanager
+def on_emulator(emu: EmulatedCudaModule) -> Iterator[None]:
+    """miles_quant._native calls the emulated CUDA binding (CPU tensors' addresses stand for
+    device addresses), as test_cuda.py points it at a built _ext_cuda."""
+    saved = _native._mod
+    _native._mod = lambda _x, _threads: (emu, 0)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _native._mod = saved  # type: ignore[assignment]
+
+
+def test_emulator_self_checks(tmp_path: Path) -> None:
+    # The CUDA semantics the kernels rely on (xor shuffles over segments of a warp, __syncthreads
+    # with shared memory, 2-D grids, atomicMax, threads that returned passing a barrier) against
+    # plain loops, and the undefined behaviour the emulator must refuse: a shuffle waiting on a
+    # lane that returned, a warp split between a shuffle and __syncthreads, a block too large.
+    exe = tmp_path / "selftest"
+    src = NATIVE / "cuda" / "emu" / "selftest.cpp"
+    flags = [f for f in FLAGS if f not in ("-fPIC", "-shared")]
+    cxx = compiler()
+    assert cxx is not None
+    r = subprocess.run(
+        [cxx, *flags, *WARNINGS, f"-I{NATIVE / 'cuda' / 'emu'}", str(src), "-o", str(exe)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=False)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0, r.stdout + r.stderr
+    names = {line.split()[0] for line in lines if line.split()[1] == "ok"}
+    assert {
+        "shuffle_xor_segments_of_4", "shuffle_xor_whole_warps", "syncthreads_block_sum_2d_grid",
+        "returned_threads_pass_syncthreads", "atomic_max", "refuses_shuffle_with_returned_lanes",
+        "refuses_divergent_barriers", "refuses_blocks_over_1024_threads",
+    } <= names, r.stdout  # fmt: skip
+
+
+@pytest.mark.parametrize("i", range(len(INPUTS())))
+def test_emulated_cuda_equals_the_cpu_kernels_on_every_pattern(
+    emu: EmulatedCudaModule, i: int
+) -> None:
+    # test_isa.py's inputs through every case: the CPU kernels agree with the reference on these
+    # (test_isa.py, test_formats.py); the narrow rows and odd shapes are also checked against the
+    # reference here, as test_isa.py does for each CPU build.
+    x = INPUTS()[i]
+    for fmt, gran, rule, sd in ISA_CASES:
+        if gran == "16x16" and x.shape[0] % 16:
+            continue
+        kw = {"granularity": gran, "scale_rule": rule, "scale_dtype": sd}
+        cpu = mq.quantize(x, fmt, **kw, backend="native")  # type: ignore[arg-type]
+        with on_emulator(emu):
+            got = mq.quantize(x, fmt, **kw, backend="native")  # type: ignore[arg-type]
+        assert_same_quantized(got, cpu)
+        if i in (1, 4) or i >= 10:
+            assert_same_quantized(got, mq.quantize(x, fmt, **kw, backend="torch"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("fmt", "gran", "rule"), CASES, ids=[f"{f}-{g}-{r}" for f, g, r in CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_emulated_cuda_equals_reference(
+    emu: EmulatedCudaModule,
+    fmt: str,
+    gran: str,
+    rule: str | None,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+) -> None:
+    # test_cuda.py's GPU cases (vectorized 2-D, scalar stacked with odd K, vectorized stacked),
+    # with out= writing into the first result's buffers.
+    with on_emulator(emu):
+        _on_device_equals_reference("cpu", fmt, gran, rule, dtype, shape)
+
+
+@pytest.mark.parametrize("gran", ["1x16", "16x16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_emulated_cuda_nvfp4_with_a_given_global_scale_equals_reference(
+    emu: EmulatedCudaModule, gran: str, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    with on_emulator(emu):
+        _given_scale_on_device_equals_reference("cpu", gran, dtype, shape)
+
+
+@pytest.mark.parametrize(("fmt", "gran", "rule"), CASES, ids=[f"{f}-{g}-{r}" for f, g, r in CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_emulated_cuda_scalar_kernels_on_misaligned_inputs(
+    emu: EmulatedCudaModule, fmt: str, gran: str, rule: str | None, dtype: torch.dtype
+) -> None:
+    # Rows of whole chunks of 8, but an input not 16-byte aligned (a view one element into its
+    # buffer): the launchers must take the scalar kernels, with the same bits.
+    g = torch.Generator().manual_seed(2)
+    rows, cols = 256, 160
+    scale = 10.0 ** torch.randint(-3, 4, (1,), generator=g)
+    buf = (torch.randn(rows * cols + 1, generator=g) * scale).to(dtype)
+    x = buf[1:].view(rows, cols)
+    assert x.data_ptr() % 16 != 0
+    x[7, 9] = float("inf")
+    kw = {"granularity": gran, "scale_rule": rule}
+    with on_emulator(emu):
+        got = mq.quantize(x, fmt, **kw, backend="native")  # type: ignore[arg-type]
+    assert_same_quantized(got, mq.quantize(x, fmt, **kw, backend="torch"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "nvfp4"])
+def test_emulated_cuda_grid_stride_loops(emu: EmulatedCudaModule, fmt: str) -> None:
+    # The tensor-level kernels cap their grids (the amax pass at 1024 blocks a matrix, the FP8
+    # cast at 4096) and loop over the rest: matrices of 8.4M elements make every thread take
+    # more than one chunk. Two experts, each with its own scale; the second holds an Inf.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 8200, 1024, generator=g) * torch.tensor([1.0, 1e-3])[:, None, None]
+    x = x.to(torch.bfloat16)
+    x[1, 8199, 1000] = float("inf")
+    x[0, 8199, 1023] = 300.0  # the first expert's amax at its last element
+    kw = {"granularity": "tensor" if fmt == "fp8_e4m3" else "1x16", "stacked": True}
+    with on_emulator(emu):
+        got = mq.quantize(x, fmt, **kw, backend="native")  # type: ignore[arg-type]
+    assert_same_quantized(got, mq.quantize(x, fmt, **kw, backend="native"))  # type: ignore[arg-type]
+
+
+def test_emulated_binding_checks_buffer_sizes(emu: EmulatedCudaModule) -> None:
+    # The binding's size checks raise ValueError before any launch, with its own message.
+    _native_calls_match_the_cuda_binding(emu)
+
+
+def test_emulator_reports_a_failed_launch(emu: EmulatedCudaModule) -> None:
+    # A launch the emulator refuses reaches Python as the binding's RuntimeError with the
+    # emulator's reason, as a GPU's refusal would, not as wrong bits. Per-tensor FP8 of a stack of
+    # more than 65535 matrices asks for a grid with gridDim.y > 65535, which CUDA rejects
+    # (cudaErrorInvalidConfiguration): a limit of the CUDA launchers (the CPU kernels take it).
+    n = 70000
+    x = torch.zeros(n, 1, 8, dtype=torch.bfloat16)
+    refused = r"cudaError 9 .*invalid launch configuration"
+    with on_emulator(emu), pytest.raises(RuntimeError, match=refused):
+        mq.quantize(x, "fp8_e4m3", granularity="tensor", stacked=True, backend="native")
+    q = mq.quantize(x, "fp8_e4m3", granularity="tensor", stacked=True, backend="native")
+    assert q.scales.numel() == n
