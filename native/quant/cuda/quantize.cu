@@ -491,20 +491,31 @@ int by_dtype(const Args& a, cudaStream_t s) {
   return K<DType::f16>::run(a, s);
 }
 
+// The per-matrix kernels take matrix b of a stack as blockIdx.y, which CUDA limits to 65535:
+// larger stacks (experts) go in slices of at most that many matrices, one launch each.
+constexpr int64_t kMaxGridY = 65535;
+
+template <DType D>
+const void* matrices_from(const void* x, int64_t b0, int64_t per) {
+  return static_cast<const char*>(x) + b0 * per * (D == DType::f32 ? 4 : 2);
+}
+
 // Per-matrix amax into a temporary device buffer (freed stream-ordered by the caller).
 template <DType D>
 uint32_t* matrix_amax(const void* x, int64_t B, int64_t per, cudaStream_t s) {
   uint32_t* amax = nullptr;
   if (cudaMallocAsync(&amax, sizeof(uint32_t) * (B > 0 ? B : 1), s) != cudaSuccess) return nullptr;
   cudaMemsetAsync(amax, 0, sizeof(uint32_t) * (B > 0 ? B : 1), s);
-  if (B > 0 && per > 0) {
-    if (per % 8 == 0 && aligned(x, 16)) {
-      const unsigned gx = static_cast<unsigned>(imin(cdiv(per / 8, kThreads), 1024));
-      MQ_LAUNCH(dim3(gx, static_cast<unsigned>(B)), kThreads, s, amax_vec_kernel<D>)(x, per, amax);
-    } else {
-      const unsigned gx = static_cast<unsigned>(imin(cdiv(per, kThreads), 1024));
-      MQ_LAUNCH(dim3(gx, static_cast<unsigned>(B)), kThreads, s, amax_kernel<D>)(x, per, amax);
-    }
+  if (per <= 0) return amax;
+  const bool vec = per % 8 == 0 && aligned(x, 16);  // then every slice is aligned too
+  const unsigned gx = static_cast<unsigned>(imin(cdiv(vec ? per / 8 : per, kThreads), 1024));
+  for (int64_t b0 = 0; b0 < B; b0 += kMaxGridY) {
+    const dim3 grid(gx, static_cast<unsigned>(imin(kMaxGridY, B - b0)));
+    const void* xs = matrices_from<D>(x, b0, per);
+    if (vec)
+      MQ_LAUNCH(grid, kThreads, s, amax_vec_kernel<D>)(xs, per, amax + b0);
+    else
+      MQ_LAUNCH(grid, kThreads, s, amax_kernel<D>)(xs, per, amax + b0);
   }
   return amax;
 }
@@ -517,19 +528,23 @@ struct Fp8Launch {
       const int64_t per = a.rows * a.cols;
       uint32_t* amax = matrix_amax<D>(a.x, a.batch, per, s);
       if (amax == nullptr) return static_cast<int>(cudaGetLastError());
-      if (a.batch > 0 && per % 8 == 0 && per > 0 && aligned(a.x, 16) && aligned(a.out, 8)) {
-        const dim3 grid(static_cast<unsigned>(imin(cdiv(per / 8, kThreads), 4096)), static_cast<unsigned>(a.batch));
-        if (e4m3)
-          MQ_LAUNCH(grid, kThreads, s, fp8_flat_vec_kernel<D, E4M3>)(a, amax);
+      const bool vec = per % 8 == 0 && per > 0 && aligned(a.x, 16) && aligned(a.out, 8);
+      const unsigned gx = static_cast<unsigned>(imin(cdiv(vec ? per / 8 : (per > 0 ? per : 1), kThreads), 4096));
+      for (int64_t b0 = 0; b0 < a.batch; b0 += kMaxGridY) {  // slices of the stack (kMaxGridY)
+        Fp8Args sl = a;
+        sl.batch = imin(kMaxGridY, a.batch - b0);
+        sl.x = matrices_from<D>(a.x, b0, per);
+        sl.out = a.out + b0 * per;
+        sl.scales = a.scales + b0;
+        const dim3 grid(gx, static_cast<unsigned>(sl.batch));
+        if (vec && e4m3)
+          MQ_LAUNCH(grid, kThreads, s, fp8_flat_vec_kernel<D, E4M3>)(sl, amax + b0);
+        else if (vec)
+          MQ_LAUNCH(grid, kThreads, s, fp8_flat_vec_kernel<D, E5M2>)(sl, amax + b0);
+        else if (e4m3)
+          MQ_LAUNCH(grid, kThreads, s, fp8_flat_kernel<D, E4M3>)(sl, amax + b0);
         else
-          MQ_LAUNCH(grid, kThreads, s, fp8_flat_vec_kernel<D, E5M2>)(a, amax);
-      } else if (a.batch > 0) {
-        const dim3 grid(static_cast<unsigned>(imin(cdiv(per > 0 ? per : 1, kThreads), 4096)),
-                        static_cast<unsigned>(a.batch));
-        if (e4m3)
-          MQ_LAUNCH(grid, kThreads, s, fp8_flat_kernel<D, E4M3>)(a, amax);
-        else
-          MQ_LAUNCH(grid, kThreads, s, fp8_flat_kernel<D, E5M2>)(a, amax);
+          MQ_LAUNCH(grid, kThreads, s, fp8_flat_kernel<D, E5M2>)(sl, amax + b0);
       }
       cudaFreeAsync(amax, s);
       return static_cast<int>(cudaGetLastError());

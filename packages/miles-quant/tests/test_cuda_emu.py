@@ -174,15 +174,16 @@ def test_emulated_binding_checks_buffer_sizes(emu: EmulatedCudaModule) -> None:
     _native_calls_match_the_cuda_binding(emu)
 
 
-def test_emulator_reports_a_failed_launch(emu: EmulatedCudaModule) -> None:
-    # A launch the emulator refuses reaches Python as the binding's RuntimeError with the
-    # emulator's reason, as a GPU's refusal would, not as wrong bits. Per-tensor FP8 of a stack of
-    # more than 65535 matrices asks for a grid with gridDim.y > 65535, which CUDA rejects
-    # (cudaErrorInvalidConfiguration): a limit of the CUDA launchers (the CPU kernels take it).
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "nvfp4"])
+def test_emulated_cuda_stacks_beyond_the_grid_limit(emu: EmulatedCudaModule, fmt: str) -> None:
+    # Tensor-level scales of a stack take matrix b as blockIdx.y, which CUDA caps at 65535 (the
+    # emulator refuses a larger grid as a GPU does): 70000 matrices go in two slices.
     n = 70000
-    x = torch.zeros(n, 1, 8, dtype=torch.bfloat16)
-    refused = r"cudaError 9 .*invalid launch configuration"
-    with on_emulator(emu), pytest.raises(RuntimeError, match=refused):
-        mq.quantize(x, "fp8_e4m3", granularity="tensor", stacked=True, backend="native")
-    q = mq.quantize(x, "fp8_e4m3", granularity="tensor", stacked=True, backend="native")
-    assert q.scales.numel() == n
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(n, 1, 16, generator=g) * torch.logspace(-3, 3, n)[:, None, None]
+    x[n - 1, 0, 3] = float("nan")
+    x = x.to(torch.bfloat16)
+    kw = {"granularity": "tensor" if fmt == "fp8_e4m3" else "1x16", "stacked": True}
+    with on_emulator(emu):
+        got = mq.quantize(x, fmt, **kw, backend="native")  # type: ignore[arg-type]
+    assert_same_quantized(got, mq.quantize(x, fmt, **kw, backend="native"))  # type: ignore[arg-type]
