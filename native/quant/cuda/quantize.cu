@@ -4,9 +4,9 @@
 // -fmad=false (no FMA contraction), -prec-div=true, no --use_fast_math, no -ftz.
 //
 // Layout: rows whose length is a multiple of 8, with aligned buffers, take the vectorized
-// kernels (a thread per 8 elements, a 1-row group on adjacent lanes of a warp, a 128x128 FP8
-// tile per CTA); other shapes take the scalar kernels (a CTA per FP8 tile, a thread per MX, INT4
-// or NVFP4 group). Tensor-level amax (FP8 per tensor, the NVFP4 global scale) is an atomicMax
+// kernels (a thread per 8 elements, a 1-row group on adjacent lanes of a warp, an NVFP4 16x16
+// tile per warp, a 128x128 FP8 tile per CTA); other shapes take the scalar kernels (a CTA per FP8
+// tile, a thread per MX, INT4 or NVFP4 group or tile). Tensor-level amax (FP8 per tensor, the NVFP4 global scale) is an atomicMax
 // over |x| bits, which order like the values with NaN above Inf.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -381,6 +381,34 @@ __global__ void nvfp4_vec_kernel(Nvfp4Args a, const uint32_t* gamax) {
   store8_nibbles(a.out + ch.r * (C / 2) + ch.c * 4, c);
 }
 
+// NVFP4 16x16 tiles (C % 8 == 0): a warp per tile, lane 2k + h holding row k of the tile and
+// its columns 8h .. 8h + 7, so the tile's amax meets over the whole warp. Lanes past the matrix's
+// last row or column (a partial tile) hold amax 0 and store nothing; each row's h = 0 lane writes
+// the tile's block code on that row, as the scalar kernel does.
+template <DType D>
+__global__ void nvfp4_tile_vec_kernel(Nvfp4Args a, const uint32_t* gamax) {
+  const int64_t R = a.rows, C = a.cols, nr = (R + 15) / 16, nc = (C + 15) / 16;
+  const int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t b = t / (nr * nc), j = t % nc, rr = ((t / nc) % nr) * 16 + lane / 2;
+  const int64_t r = b * R + rr, c = j * 16 + (lane % 2) * 8;
+  const bool valid = t < a.batch * nr * nc && rr < R && c < C;
+  float v[8] = {};
+  if (valid) load8<D>(a.x, r * C + c, v);
+  const uint32_t amax = lanes_max<32>(valid ? amax8(v) : 0u);
+  if (!valid) return;
+  bool poisoned;
+  const float sg = nvfp4_matrix_scale(a, gamax, b, &poisoned);
+  poisoned = poisoned || is_poisoned(amax);  // a tile with NaN / Inf under a given global scale
+  const uint32_t code = poisoned ? E4M3::kNanCode : nvfp4_block_code(bits_f32(amax), sg);
+  const float factor = poisoned ? 0.0f : nvfp4_block_factor(1.0f / sg, code);
+  if (lane % 2 == 0) a.scales[r * nc + j] = static_cast<uint8_t>(code);
+  uint32_t codes[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) codes[k] = poisoned ? 0u : encode<E2M1>(v[k] * factor);
+  store8_nibbles(a.out + r * (C / 2) + c / 2, codes);
+}
+
 // FP8 1x128 (tile_rows 1, tile_cols 128): scales [batch * rows, ceil(cols / 128)].
 template <DType D, class F>
 __global__ void fp8_1x128_vec_kernel(Fp8Args a) {
@@ -605,8 +633,11 @@ struct Nvfp4Launch {
     if (gamax == nullptr && !a.given_scale) return static_cast<int>(cudaGetLastError());
     if (a.batch > 0 && !a.given_scale) MQ_LAUNCH(grid_for(a.batch), kThreads, s, nvfp4_global_only)(a, gamax);
     const int64_t tiles = a.batch * cdiv(a.rows, a.tile16x16 ? 16 : 1) * cdiv(a.cols, 16);
-    if (tiles > 0 && !a.tile16x16 && vec_ok(a.x, a.cols, a.out, true))
+    const bool vec = tiles > 0 && vec_ok(a.x, a.cols, a.out, true);
+    if (vec && !a.tile16x16)
       MQ_LAUNCH(grid_for(chunk_threads<16>(a.batch * a.rows, a.cols)), kThreads, s, nvfp4_vec_kernel<D>)(a, gamax);
+    else if (vec)
+      MQ_LAUNCH(grid_for(tiles * 32), kThreads, s, nvfp4_tile_vec_kernel<D>)(a, gamax);
     else if (tiles > 0)
       MQ_LAUNCH(grid_for(tiles), kThreads, s, nvfp4_kernel<D>)(a, gamax);
     if (gamax != nullptr) cudaFreeAsync(gamax, s);

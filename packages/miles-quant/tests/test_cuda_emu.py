@@ -133,6 +133,30 @@ def test_emulated_cuda_nvfp4_with_a_given_global_scale_equals_reference(
         _given_scale_on_device_equals_reference("cpu", gran, dtype, shape)
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["dynamic", "given"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(64, 200), (70, 200), (3, 40, 72), (16, 8)])
+def test_emulated_cuda_nvfp4_16x16_partial_tiles(
+    emu: EmulatedCudaModule, shape: tuple[int, ...], dtype: torch.dtype, given: bool
+) -> None:
+    # The warp-per-tile kernel: tiles cut by the last rows (N % 16) and by the last 8 columns
+    # (K % 16 == 8), stacked experts; a NaN and an Inf in the last matrix (which poisons it
+    # whole with a computed global scale, its own tiles alone with a given one).
+    stacked = len(shape) == 3
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])).clamp(-6e4, 6e4)
+    last = x[-1] if stacked else x
+    last[1, 3] = float("nan")
+    last[-1, -1] = float("-inf")
+    x = x.to(dtype)
+    kw: dict[str, object] = {"granularity": "16x16", "stacked": stacked}
+    if given:
+        kw["global_scale"] = torch.tensor(0.05)
+    with on_emulator(emu):
+        got = mq.quantize(x, "nvfp4", **kw, backend="native")  # type: ignore[arg-type]
+    assert_same_quantized(got, mq.quantize(x, "nvfp4", **kw, backend="torch"))  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("fmt", "gran", "rule"), CASES, ids=[f"{f}-{g}-{r}" for f, g, r in CASES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_emulated_cuda_scalar_kernels_on_misaligned_inputs(
