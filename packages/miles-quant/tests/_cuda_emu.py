@@ -31,13 +31,28 @@ def compiler() -> str | None:
     return shutil.which("g++")
 
 
-def build(out_dir: Path) -> Path:
-    """Compiles the emulated kernels and the binding's calls into out_dir/libmq_cuda_emu.so."""
+def asan_runtime() -> str | None:
+    """The path of g++'s AddressSanitizer runtime (to preload), or None."""
+    cxx = compiler()
+    if cxx is None:
+        return None
+    r = subprocess.run(
+        [cxx, "-print-file-name=libasan.so"], capture_output=True, text=True, check=False
+    )
+    path = Path(r.stdout.strip())
+    found = r.returncode == 0 and path.is_absolute() and path.exists()
+    return str(path.resolve()) if found else None
+
+
+def build(out_dir: Path, asan: bool = False) -> Path:
+    """Compiles the emulated kernels and the binding's calls into out_dir/libmq_cuda_emu.so
+    (with asan: instrumented by AddressSanitizer, whose runtime must then be preloaded)."""
     cxx = compiler()
     assert cxx is not None, "g++ not found"
     lib = out_dir / "libmq_cuda_emu.so"
+    sanitize = ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"] if asan else []
     cmd = [
-        cxx, *FLAGS, *WARNINGS, "-DMQ_CUDA_EMU",
+        cxx, *FLAGS, *WARNINGS, *sanitize, "-DMQ_CUDA_EMU",
         f"-I{NATIVE / 'cuda' / 'emu'}", f"-I{NATIVE / 'include'}", f"-I{NATIVE / 'cuda'}",
         "-x", "c++", str(NATIVE / "cuda" / "quantize.cu"),
         "-x", "none", str(NATIVE / "cuda" / "emu" / "emu_capi.cpp"),

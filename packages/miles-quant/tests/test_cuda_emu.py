@@ -15,14 +15,17 @@ tools/bench/quant_cuda_cvt_probe.cu), races between blocks, or speed: those need
 from __future__ import annotations
 
 import functools
+import json
+import os
 import subprocess
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from _cuda_emu import FLAGS, NATIVE, WARNINGS, EmulatedCudaModule, build, compiler
+from _cuda_emu import FLAGS, NATIVE, WARNINGS, EmulatedCudaModule, asan_runtime, build, compiler
 from _quant_testlib import assert_same_quantized, format_cases, require_native
 from test_cuda import (
     SHAPE_IDS,
@@ -40,6 +43,9 @@ from miles_quant import _native
 pytestmark = pytest.mark.skipif(compiler() is None, reason="g++ not found: it builds the emulator")
 CASES = format_cases()
 INPUTS = functools.cache(_inputs)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TILE_SHAPES = [(64, 200), (70, 200), (3, 40, 72), (16, 8)]
+MISALIGNED_DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +99,10 @@ def test_emulated_cuda_equals_the_cpu_kernels_on_every_pattern(
     # test_isa.py's inputs through every case: the CPU kernels agree with the reference on these
     # (test_isa.py, test_formats.py); the narrow rows and odd shapes are also checked against the
     # reference here, as test_isa.py does for each CPU build.
+    check_every_pattern(emu, i)
+
+
+def check_every_pattern(emu: EmulatedCudaModule, i: int) -> None:
     x = INPUTS()[i]
     for fmt, gran, rule, sd in ISA_CASES:
         if gran == "16x16" and x.shape[0] % 16:
@@ -107,7 +117,7 @@ def test_emulated_cuda_equals_the_cpu_kernels_on_every_pattern(
 
 
 @pytest.mark.parametrize(("fmt", "gran", "rule"), CASES, ids=[f"{f}-{g}-{r}" for f, g, r in CASES])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_emulated_cuda_equals_reference(
     emu: EmulatedCudaModule,
@@ -119,14 +129,31 @@ def test_emulated_cuda_equals_reference(
 ) -> None:
     # test_cuda.py's GPU cases (vectorized 2-D, scalar stacked with odd K, vectorized stacked),
     # with out= writing into the first result's buffers.
+    check_reference(emu, fmt, gran, rule, dtype, shape)
+
+
+def check_reference(
+    emu: EmulatedCudaModule,
+    fmt: str,
+    gran: str,
+    rule: str | None,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+) -> None:
     with on_emulator(emu):
         _on_device_equals_reference("cpu", fmt, gran, rule, dtype, shape)
 
 
 @pytest.mark.parametrize("gran", ["1x16", "16x16"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_emulated_cuda_nvfp4_with_a_given_global_scale_equals_reference(
+    emu: EmulatedCudaModule, gran: str, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    check_given_scale(emu, gran, dtype, shape)
+
+
+def check_given_scale(
     emu: EmulatedCudaModule, gran: str, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> None:
     with on_emulator(emu):
@@ -134,14 +161,20 @@ def test_emulated_cuda_nvfp4_with_a_given_global_scale_equals_reference(
 
 
 @pytest.mark.parametrize("given", [False, True], ids=["dynamic", "given"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(64, 200), (70, 200), (3, 40, 72), (16, 8)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", TILE_SHAPES)
 def test_emulated_cuda_nvfp4_16x16_partial_tiles(
     emu: EmulatedCudaModule, shape: tuple[int, ...], dtype: torch.dtype, given: bool
 ) -> None:
     # The warp-per-tile kernel: tiles cut by the last rows (N % 16) and by the last 8 columns
     # (K % 16 == 8), stacked experts; a NaN and an Inf in the last matrix (which poisons it
     # whole with a computed global scale, its own tiles alone with a given one).
+    check_16x16_partial_tiles(emu, shape, dtype, given)
+
+
+def check_16x16_partial_tiles(
+    emu: EmulatedCudaModule, shape: tuple[int, ...], dtype: torch.dtype, given: bool
+) -> None:
     stacked = len(shape) == 3
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])).clamp(-6e4, 6e4)
@@ -158,12 +191,18 @@ def test_emulated_cuda_nvfp4_16x16_partial_tiles(
 
 
 @pytest.mark.parametrize(("fmt", "gran", "rule"), CASES, ids=[f"{f}-{g}-{r}" for f, g, r in CASES])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", MISALIGNED_DTYPES)
 def test_emulated_cuda_scalar_kernels_on_misaligned_inputs(
     emu: EmulatedCudaModule, fmt: str, gran: str, rule: str | None, dtype: torch.dtype
 ) -> None:
     # Rows of whole chunks of 8, but an input not 16-byte aligned (a view one element into its
     # buffer): the launchers must take the scalar kernels, with the same bits.
+    check_misaligned(emu, fmt, gran, rule, dtype)
+
+
+def check_misaligned(
+    emu: EmulatedCudaModule, fmt: str, gran: str, rule: str | None, dtype: torch.dtype
+) -> None:
     g = torch.Generator().manual_seed(2)
     rows, cols = 256, 160
     scale = 10.0 ** torch.randint(-3, 4, (1,), generator=g)
@@ -182,6 +221,10 @@ def test_emulated_cuda_grid_stride_loops(emu: EmulatedCudaModule, fmt: str) -> N
     # The tensor-level kernels cap their grids (the amax pass at 1024 blocks a matrix, the FP8
     # cast at 4096) and loop over the rest: matrices of 8.4M elements make every thread take
     # more than one chunk. Two experts, each with its own scale; the second holds an Inf.
+    check_grid_stride(emu, fmt)
+
+
+def check_grid_stride(emu: EmulatedCudaModule, fmt: str) -> None:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 8200, 1024, generator=g) * torch.tensor([1.0, 1e-3])[:, None, None]
     x = x.to(torch.bfloat16)
@@ -202,6 +245,10 @@ def test_emulated_binding_checks_buffer_sizes(emu: EmulatedCudaModule) -> None:
 def test_emulated_cuda_stacks_beyond_the_grid_limit(emu: EmulatedCudaModule, fmt: str) -> None:
     # Tensor-level scales of a stack take matrix b as blockIdx.y, which CUDA caps at 65535 (the
     # emulator refuses a larger grid as a GPU does): 70000 matrices go in two slices.
+    check_beyond_grid_limit(emu, fmt)
+
+
+def check_beyond_grid_limit(emu: EmulatedCudaModule, fmt: str) -> None:
     n = 70000
     g = torch.Generator().manual_seed(4)
     x = torch.randn(n, 1, 16, generator=g) * torch.logspace(-3, 3, n)[:, None, None]
@@ -211,3 +258,69 @@ def test_emulated_cuda_stacks_beyond_the_grid_limit(emu: EmulatedCudaModule, fmt
     with on_emulator(emu):
         got = mq.quantize(x, fmt, **kw, backend="native")  # type: ignore[arg-type]
     assert_same_quantized(got, mq.quantize(x, fmt, **kw, backend="native"))  # type: ignore[arg-type]
+
+
+def run_every_check(emu: EmulatedCudaModule) -> dict[str, int]:
+    """Every check of this file's tests with every parameter (for the AddressSanitizer run);
+    returns how many times each check ran."""
+    runs: dict[str, int] = {}
+
+    def run(check: Callable[..., None], *args: object) -> None:
+        check(emu, *args)
+        runs[check.__name__] = runs.get(check.__name__, 0) + 1
+
+    for i in range(len(INPUTS())):
+        run(check_every_pattern, i)
+    for shape in SHAPES:
+        for dtype in DTYPES:
+            for fmt, gran, rule in CASES:
+                run(check_reference, fmt, gran, rule, dtype, shape)
+            for gran in ("1x16", "16x16"):
+                if gran != "16x16" or shape[-2] % 16 == 0:  # as the pytest case skips
+                    run(check_given_scale, gran, dtype, shape)
+    for shape in TILE_SHAPES:
+        for dtype in DTYPES:
+            for given in (False, True):
+                run(check_16x16_partial_tiles, shape, dtype, given)
+    for dtype in MISALIGNED_DTYPES:
+        for fmt, gran, rule in CASES:
+            run(check_misaligned, fmt, gran, rule, dtype)
+    for fmt in ("fp8_e4m3", "nvfp4"):
+        run(check_grid_stride, fmt)
+        run(check_beyond_grid_limit, fmt)
+    return runs
+
+
+_ASAN_CHILD = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from _cuda_emu import EmulatedCudaModule
+from test_cuda_emu import run_every_check
+print(json.dumps(run_every_check(EmulatedCudaModule(Path(sys.argv[1])))))
+"""
+
+
+@pytest.mark.slow  # about 2 minutes: every check above once more, instrumented
+def test_emulated_cuda_under_address_sanitizer(tmp_path: Path) -> None:
+    # Every check above again with the kernels built with -fsanitize=address: a read or write
+    # outside the buffers torch allocated (which on a GPU corrupts memory silently or faults
+    # later) stops the run with the kernel and line. ASan's runtime is preloaded into a child
+    # Python; a stray one-byte write past an INT4 output is what it was seen to catch.
+    require_native()
+    runtime = asan_runtime()
+    if runtime is None:
+        pytest.skip("g++ has no libasan.so here")
+    lib = build(tmp_path, asan=True)
+    env = {**os.environ, "LD_PRELOAD": runtime, "ASAN_OPTIONS": "detect_leaks=0"}
+    here = str(Path(__file__).resolve().parent)
+    r = subprocess.run(
+        [sys.executable, "-c", _ASAN_CHILD, str(lib), here],
+        capture_output=True, text=True, timeout=1500, env=env, check=False,
+    )  # fmt: skip
+    assert "AddressSanitizer" not in r.stderr, r.stderr[-8000:]
+    assert r.returncode == 0, r.stderr[-8000:]
+    runs = json.loads(r.stdout.splitlines()[-1])
+    checks = {name for name in globals() if name.startswith("check_")}
+    assert set(runs) == checks, (runs, checks)
+    assert runs["check_every_pattern"] == len(INPUTS())
