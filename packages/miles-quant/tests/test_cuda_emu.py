@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -236,6 +238,58 @@ def check_grid_stride(emu: EmulatedCudaModule, fmt: str) -> None:
     assert_same_quantized(got, mq.quantize(x, fmt, **kw, backend="native"))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_emulated_cuda_random_shapes(emu: EmulatedCudaModule, seed: int) -> None:
+    # 100 random cases a seed: shapes around every group, tile and chunk edge, stacked experts,
+    # inputs at every scale with NaN / Inf / zero runs, misaligned views, given NVFP4 global
+    # scales and INT4 scale dtypes; the emulated kernels against the CPU kernels.
+    check_random_shapes(emu, seed, 100)
+
+
+def check_random_shapes(emu: EmulatedCudaModule, seed: int, n: int) -> None:
+    rng = random.Random(seed)
+    rows = [1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 127, 128, 129, 130, 200, 257]
+    cols = [1, 2, 7, 8, 9, 15, 16, 24, 31, 32, 40, 48, 56, 63, 64, 72, 96, 120, 127, 128, 136,
+            160, 200, 256, 264, 384, 520, 700]  # fmt: skip
+    done = 0
+    while done < n:
+        fmt, gran, rule = rng.choice(CASES)
+        dtype = rng.choice(DTYPES)
+        stacked = rng.random() < 0.3
+        r, c = rng.choice(rows), rng.choice(cols)
+        shape = (rng.randint(1, 4), r, c) if stacked else (r, c)
+        g = torch.Generator().manual_seed(rng.randrange(2**31))
+        x = torch.randn(shape, generator=g) * 10.0 ** rng.uniform(-6, 4)
+        if rng.random() < 0.5:
+            x = x * torch.logspace(rng.uniform(-4, 0), rng.uniform(0, 4), c)
+        flat = x.view(-1)
+        for _ in range(rng.randint(0, 3)):
+            flat[rng.randrange(flat.numel())] = rng.choice([math.nan, math.inf, -math.inf, 0.0])
+        if rng.random() < 0.2:
+            at = rng.randrange(flat.numel())
+            flat[at : at + rng.randint(1, 300)] = 0
+        if dtype == torch.float16:
+            x = torch.where(x.isfinite(), x.clamp(-65504, 65504), x)
+        x = x.to(dtype)
+        if rng.random() < 0.2:  # a view one element into its buffer: not 16-byte aligned
+            buf = torch.empty(x.numel() + 1, dtype=dtype)
+            buf[1:] = x.reshape(-1)
+            x = buf[1:].view(shape)
+        kw: dict[str, object] = {"granularity": gran, "scale_rule": rule, "stacked": stacked}
+        if fmt == "nvfp4" and rng.random() < 0.3:
+            kw["global_scale"] = torch.tensor(10.0 ** rng.uniform(-4, 2))
+        if fmt.startswith("int4") and rng.random() < 0.5:
+            kw["scale_dtype"] = rng.choice(DTYPES)
+        try:
+            cpu = mq.quantize(x, fmt, **kw, backend="native")  # type: ignore[arg-type]
+        except ValueError:
+            continue  # a shape this layout refuses (e.g. 16x16 of a 1-D stack)
+        with on_emulator(emu):
+            got = mq.quantize(x, fmt, **kw, backend="native")  # type: ignore[arg-type]
+        assert_same_quantized(got, cpu)
+        done += 1
+
+
 def test_emulated_binding_checks_buffer_sizes(emu: EmulatedCudaModule) -> None:
     # The binding's size checks raise ValueError before any launch, with its own message.
     _native_calls_match_the_cuda_binding(emu)
@@ -288,6 +342,8 @@ def run_every_check(emu: EmulatedCudaModule) -> dict[str, int]:
     for fmt in ("fp8_e4m3", "nvfp4"):
         run(check_grid_stride, fmt)
         run(check_beyond_grid_limit, fmt)
+    for seed in range(4):
+        run(check_random_shapes, seed, 100)
     return runs
 
 
