@@ -4,7 +4,8 @@
 // quantize.cu is compiled by g++ as C++ with -DMQ_CUDA_EMU and this directory first on the
 // include path (its cuda_runtime.h and cuda_fp8.h lead here). Then:
 // - a launch runs the kernel's blocks one after another; each CUDA thread of a block is a fiber
-//   (ucontext) with its own stack, and threadIdx / blockIdx hold the running fiber's indexes;
+//   with its own stack (switched by a few instructions of our own on x86-64, by ucontext
+//   elsewhere), and threadIdx / blockIdx hold the running fiber's indexes;
 // - __syncthreads() parks the fiber until every thread of the block that has not returned is
 //   parked there too; __shfl_xor_sync() until all 32 lanes of its warp are parked at a shuffle,
 //   then each lane gets its partner's value. A shuffle that waits on a lane that returned, or a
