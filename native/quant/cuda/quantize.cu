@@ -6,8 +6,9 @@
 // Layout: rows whose length is a multiple of 8, with aligned buffers, take the vectorized
 // kernels (a thread per 8 elements, a 1-row group on adjacent lanes of a warp, an NVFP4 16x16
 // tile per warp, a 128x128 FP8 tile per CTA); other shapes take the scalar kernels (a CTA per FP8
-// tile, a thread per MX, INT4 or NVFP4 group or tile). Tensor-level amax (FP8 per tensor, the NVFP4 global scale) is an atomicMax
-// over |x| bits, which order like the values with NaN above Inf.
+// tile, a thread per MX, INT4 or NVFP4 group or tile). Tensor-level amax (FP8 per tensor, the
+// NVFP4 global scale) is an atomicMax over |x| bits, which order like the values with NaN above
+// Inf.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
