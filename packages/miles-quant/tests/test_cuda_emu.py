@@ -357,7 +357,7 @@ print(json.dumps(run_every_check(EmulatedCudaModule(Path(sys.argv[1])))))
 """
 
 
-@pytest.mark.slow  # about 2 minutes: every check above once more, instrumented
+@pytest.mark.slow  # 45-140 s: every check above once more, instrumented
 def test_emulated_cuda_under_address_sanitizer(tmp_path: Path) -> None:
     # Every check above again with the kernels built with -fsanitize=address: a read or write
     # outside the buffers torch allocated (which on a GPU corrupts memory silently or faults
