@@ -42,7 +42,7 @@ from test_isa import _inputs
 import miles_quant as mq
 from miles_quant import _native
 
-pytestmark = pytest.mark.skipif(compiler() is None, reason="g++ not found: it builds the emulator")
+pytestmark = pytest.mark.skipif(compiler() is None, reason="needs g++ on Linux (the emulator)")
 CASES = format_cases()
 INPUTS = functools.cache(_inputs)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
