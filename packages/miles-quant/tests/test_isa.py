@@ -41,6 +41,19 @@ torch.save(out, sys.argv[2])
 """
 
 
+# _inputs(): six with every bf16 / fp16 pattern, four with each pattern as a block amax, then
+# these odd shapes in bf16, fp16 and fp32.
+ODD_SHAPES = ((1, 1), (3, 17), (17, 33), (32, 699), (130, 129))
+FIRST_ODD = 10
+N_INPUTS = FIRST_ODD + 3 * len(ODD_SHAPES)
+
+
+def against_reference(i: int) -> bool:
+    """Whether _inputs()[i] is also checked against the (slow) reference: the narrow rows and
+    the odd shapes."""
+    return i in (1, 4) or i >= FIRST_ODD
+
+
 def _edge_blocks(v: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """Every pattern of v as the amax of a block: each 32 inputs hold one pattern and 31 values of
     smaller magnitude (the pattern times a random factor in [0, 1) with a random sign), so the
@@ -68,12 +81,14 @@ def _inputs() -> list[torch.Tensor]:
         edge = _edge_blocks(v, g)
         xs += [edge, edge.float() * (1 + 2.0**-17)]
     # Odd shapes: partial groups and tiles at every edge, a zero run and a NaN in some rows.
-    for i, (rows, cols) in enumerate(((1, 1), (3, 17), (17, 33), (32, 699), (130, 129))):
+    assert len(xs) == FIRST_ODD
+    for i, (rows, cols) in enumerate(ODD_SHAPES):
         y = torch.randn(rows, cols, generator=g) * 10.0 ** (3 * i - 6)
         y.view(-1)[: cols // 2] = 0
         if rows > 2:
             y[rows // 2, cols // 3] = float("nan")
         xs += [y.to(dt) for dt in (torch.bfloat16, torch.float16, torch.float32)]
+    assert len(xs) == N_INPUTS
     return xs
 
 
@@ -91,5 +106,5 @@ def test_every_isa_gives_the_same_bits(isa: str, tmp_path: Path) -> None:
             data, scales, fmt, mine.shape, mine.dtype, gran, rule, gscale, False
         )
         assert_same_quantized(mine, other)
-        if i in (1, 4) or i >= 10:  # narrow rows and the odd shapes: also against the reference
+        if against_reference(i):
             assert_same_quantized(other, mq.quantize(x, fmt, **kw, backend="torch"))

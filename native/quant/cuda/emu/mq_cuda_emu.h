@@ -221,7 +221,7 @@ inline bool release(Block& b) {
           return false;
         }
       }
-      continue;  // lanes still running, or parked at __syncthreads (checked below)
+      continue;  // the others parked at __syncthreads: reported below as a deadlock
     }
     std::vector<uint32_t> v(end - w);
     for (size_t i = w; i < end; ++i) v[i - w] = b.fibers[i].value;
