@@ -22,7 +22,7 @@ ROLLOUT_SOURCES := packages/miles-rollout/CMakeLists.txt $(shell find native/rol
 OFFLOAD_NATIVE := $(VENV)/.miles-offload-native
 OFFLOAD_SOURCES := packages/miles-offload/CMakeLists.txt $(shell find native/offload -type f ! -name BUILD 2>/dev/null)
 
-.PHONY: setup demo test lint typecheck pytest pants-test pants-packages clean
+.PHONY: setup demo test lint typecheck pytest pytest-all pants-test pants-packages clean
 
 setup: $(STAMP) $(QUANT_NATIVE) $(TRANSFER_NATIVE) $(ROLLOUT_NATIVE) $(OFFLOAD_NATIVE)
 
@@ -75,13 +75,19 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
+# The cross-package and end-to-end tests (tests/) in the dev venv. Each package's own tests run
+# once, through Pants (pants-packages below), not here as well (docs/ci.md).
 # PYTHONFAULTHANDLER: a native abort in a test or in a rank it spawns prints every thread's
 # Python stack, so a rare crash in CI says where it happened.
 pytest: setup
+	PYTHONFAULTHANDLER=1 $(BIN)/pytest -q tests
+
+# Every package's tests and the top-level ones in the dev venv (no Pants; for local iteration).
+pytest-all: setup
 	PYTHONFAULTHANDLER=1 $(BIN)/pytest -q packages tests
 
-# Every check: lint, types, all tests in the dev venv, then each package's tests again through
-# Pants with only that package's declared dependencies (per-package CI, docs/ci.md).
+# Every check, each test once: lint, types and the top-level tests in the dev venv, then each
+# package's tests through Pants with only that package's declared dependencies (docs/ci.md).
 test: lint typecheck pytest pants-packages
 
 # Per-package CI with Pants (docs/ci.md): every package's tests, each with only its declared
