@@ -43,6 +43,6 @@ def test_arith_tiny_reward_rises(demo_policy: Path, tmp_path: Path) -> None:
     assert "Failed to load" not in proc.stderr, proc.stderr[:2000]
     assert "Enum subclass" not in proc.stderr, proc.stderr[:2000]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r["reward_mean"] for r in rows]
+    rewards = [r["rollout/reward_mean"] for r in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last - first >= MIN_GAIN, f"first 10: {first:.3f}, last 10: {last:.3f}: {rewards}"

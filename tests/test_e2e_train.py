@@ -14,14 +14,14 @@ from safetensors.torch import load_file
 
 REQUIRED_KEYS = {
     "step",
-    "reward_mean",
-    "response_len_mean",
-    "kl",
-    "entropy",
-    "clip_frac",
-    "time_rollout_s",
-    "time_train_s",
-    "time_update_s",
+    "rollout/reward_mean",
+    "rollout/response_len_mean",
+    "train/kl",
+    "train/entropy",
+    "train/clip_frac",
+    "time/rollout_s",
+    "time/train_s",
+    "time/update_s",
 }
 
 
@@ -82,11 +82,11 @@ def test_train_writes_run_directory(tiny_model: Path, tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r.keys() >= REQUIRED_KEYS
-        assert 0.0 < r["reward_mean"] < 1.0  # parity reward: mixed groups
-        assert r["update_verified"] is True
-        assert r["weight_version"] == str(r["step"])
+        assert 0.0 < r["rollout/reward_mean"] < 1.0  # parity reward: mixed groups
+        assert r["update/verified"] is True
+        assert r["update/weight_version"] == str(r["step"])
         # On-policy first minibatch: the engine's logprobs equal the trainer's (fp32).
-        assert r["train_rollout_logprob_abs_diff"] < 1e-4
+        assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
     assert (run / "reward_curve.png").stat().st_size > 1000
     assert (run / "config.yaml").is_file()
     final = run / "checkpoints" / "final"
@@ -103,7 +103,7 @@ def test_two_processes_match_the_loop_contract(tiny_model: Path, tmp_path: Path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["update_verified"] for r in rows)
+    assert all(r["update/verified"] for r in rows)
     assert (run / "checkpoints" / "final" / "model.safetensors").is_file()
 
 

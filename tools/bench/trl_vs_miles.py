@@ -283,12 +283,12 @@ def _run_miles(
         raise RuntimeError(f"miles failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {
-        "step_s": [r["time_step_s"] for r in recs],
-        "rollout_s": [r["time_rollout_s"] for r in recs],
-        "train_s": [r["time_train_s"] for r in recs],
-        "update_s": [r["time_update_s"] for r in recs],
-        "response_len_mean": [r["response_len_mean"] for r in recs],
-        "reward_mean": [r["reward_mean"] for r in recs],
+        "step_s": [r["time/step_s"] for r in recs],
+        "rollout_s": [r["time/rollout_s"] for r in recs],
+        "train_s": [r["time/train_s"] for r in recs],
+        "update_s": [r["time/update_s"] for r in recs],
+        "response_len_mean": [r["rollout/response_len_mean"] for r in recs],
+        "reward_mean": [r["rollout/reward_mean"] for r in recs],
         "wall_s": wall,
         "cmd": cmd,
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.loop import build_train_batch
+from miles.rollout import build_train_batch
 from miles_rollout import Sample, SampleStatus
 
 

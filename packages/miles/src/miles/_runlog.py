@@ -61,7 +61,8 @@ def plot_reward_curve(metrics_path: Path, out_png: Path, *, title: str = "") -> 
 
     rows = read_metrics(metrics_path)
     steps = [r["step"] for r in rows]
-    reward = [r.get("reward_mean") for r in rows]
+    # Runs before metrics were namespaced wrote bare keys.
+    reward = [r.get("rollout/reward_mean", r.get("reward_mean")) for r in rows]
     fig, (ax, ax2) = plt.subplots(
         2, 1, figsize=(7, 5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
     )
@@ -78,7 +79,8 @@ def plot_reward_curve(metrics_path: Path, out_png: Path, *, title: str = "") -> 
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title or metrics_path.parent.name)
-    ax2.plot(steps, [r.get("response_len_mean") for r in rows], "-", color="tab:gray")
+    lengths = [r.get("rollout/response_len_mean", r.get("response_len_mean")) for r in rows]
+    ax2.plot(steps, lengths, "-", color="tab:gray")
     ax2.set_ylabel("response len")
     ax2.set_xlabel("step")
     ax2.grid(alpha=0.3)
