@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from _trainer_testlib import full_params, make_batch, run_scenario, scenario_config
 
-from miles_trainer import FSDPTrainer
+from miles_trainer import FSDPTrainer, OffloadConfig
 
 
 def main() -> None:
@@ -27,9 +27,7 @@ def main() -> None:
     for mode in ("none", "nvme"):
         cfg = dataclasses.replace(
             scenario_config(model_dir),
-            offload=mode,
-            offload_path=str(out / "state"),
-            offload_bucket_mb=0.05,
+            offload=OffloadConfig(mode=mode, path=str(out / "state"), bucket_mb=0.05),
         )
         trainer = FSDPTrainer(cfg)
         run_scenario(trainer)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from miles_trainer import LossConfig, TrainBatch, TrainerConfig
+from miles_trainer import FSDPTrainer, LossConfig, TrainBatch, Trainer, TrainerConfig
 
 
 @pytest.mark.parametrize(
@@ -38,6 +40,7 @@ def test_loss_config_rejects(kwargs: dict[str, Any], match: str) -> None:
         ({"micro_batch_size": 0}, "micro_batch_size"),
         ({"num_minibatches": 0}, "num_minibatches"),
         ({"temperature": 0.0}, "temperature"),
+        ({"backend": "deepspeed"}, "backend must be one of"),
     ],
 )
 def test_trainer_config_rejects(kwargs: dict[str, Any], match: str) -> None:
@@ -100,3 +103,18 @@ def test_empty_batch_raises() -> None:
         TrainBatch(
             tokens=[], response_lengths=[], loss_masks=[], rollout_logprobs=[], advantages=[]
         )
+
+
+def test_build_makes_the_backend_trainer(tiny_model_dir: Path) -> None:
+    trainer = TrainerConfig(model_path=str(tiny_model_dir), micro_batch_size=2).build()
+    assert isinstance(trainer, FSDPTrainer)
+    assert isinstance(trainer, Trainer)  # the protocol the loop relies on
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("miles_trainer.megatron") is not None,
+    reason="the Megatron backend is installed (its own tests cover build())",
+)
+def test_megatron_backend_missing_is_a_clear_error() -> None:
+    with pytest.raises(ImportError, match='backend = "megatron": this miles-trainer has no'):
+        TrainerConfig(model_path="/m", backend="megatron").build()

@@ -12,7 +12,7 @@ from _trainer_testlib import VOCAB, full_params, make_batch
 from safetensors import safe_open
 
 from miles_trainer import FSDPTrainer, LossConfig, TrainBatch, TrainerConfig
-from miles_trainer._checkpoint import write_hf_dir
+from miles_trainer._hf_dir import write_hf_dir
 
 # Measured: max |diff| 2.9e-6 over 3 temperatures x 3 batches (see README).
 LOGPROB_ATOL = 1e-5

@@ -14,25 +14,28 @@ import pytest
 import torch
 from _trainer_testlib import full_params, run_scenario, scenario_config
 
-from miles_trainer import FSDPTrainer, TrainerConfig
+from miles_trainer import FSDPTrainer, OffloadConfig, TrainerConfig
 
 HERE = Path(__file__).parent
 
 
 def test_offload_options_are_checked() -> None:
-    with pytest.raises(ValueError, match="offload must be one of"):
-        TrainerConfig(model_path="m", offload="disk")
-    with pytest.raises(ValueError, match="needs offload_path"):
-        TrainerConfig(model_path="m", offload="nvme")
-    with pytest.raises(ValueError, match="offload_bucket_mb must be > 0"):
-        TrainerConfig(model_path="m", offload="cpu", offload_bucket_mb=0)
+    with pytest.raises(ValueError, match=r"OffloadConfig\.mode must be one of"):
+        OffloadConfig(mode="disk")
+    with pytest.raises(ValueError, match="needs path"):
+        OffloadConfig(mode="nvme")
+    with pytest.raises(ValueError, match="bucket_mb must be > 0"):
+        OffloadConfig(mode="cpu", bucket_mb=0)
+    assert TrainerConfig(model_path="m").offload.mode == "none"
 
 
 def test_missing_miles_offload_names_the_install(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "miles_offload", None)  # import fails like a missing package
-    cfg = dataclasses.replace(scenario_config(str(tiny_model_dir)), offload="cpu")
+    cfg = dataclasses.replace(
+        scenario_config(str(tiny_model_dir)), offload=OffloadConfig(mode="cpu")
+    )
     with pytest.raises(ImportError, match=r"pip install miles-offload"):
         FSDPTrainer(cfg)
 
@@ -44,7 +47,7 @@ def test_one_rank_offload_is_bit_exact(tiny_model_dir: Path, tmp_path: Path, off
     want_trainer = FSDPTrainer(base)
     want_metrics = run_scenario(want_trainer)
     cfg = dataclasses.replace(
-        base, offload=offload, offload_path=str(tmp_path), offload_bucket_mb=0.05
+        base, offload=OffloadConfig(mode=offload, path=str(tmp_path), bucket_mb=0.05)
     )
     trainer = FSDPTrainer(cfg)
     assert type(trainer._optimizer).__module__.startswith("miles_offload")

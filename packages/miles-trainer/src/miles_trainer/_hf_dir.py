@@ -1,4 +1,8 @@
-"""Hugging Face checkpoint directories: check one before loading, write one atomically."""
+"""Hugging Face checkpoint directories: check one before loading, write one atomically.
+
+Shared by every backend: each gathers full HF-named tensors its own way, then calls
+`write_hf_dir`.
+"""
 
 from __future__ import annotations
 
@@ -12,18 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-__all__ = [
-    "MAX_SHARD_BYTES",
-    "TOKENIZER_FILES",
-    "broadcast_ok",
-    "check_model_dir",
-    "gather_full_state_dict",
-    "write_hf_dir",
-]
+__all__ = ["MAX_SHARD_BYTES", "TOKENIZER_FILES", "check_model_dir", "write_hf_dir"]
 
 # Files copied from the source model directory when present (everything a tokenizer needs).
 TOKENIZER_FILES = (
@@ -60,27 +55,6 @@ def check_model_dir(path: str, what: str = "model_path") -> Path:
             f"{what} {path!r} has no model.safetensors or model.safetensors.index.json{hint}"
         )
     return p
-
-
-def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) CPU tensors of ``model`` on rank 0, ``{}`` elsewhere. Collective.
-
-    Tied parameters appear once, under their first name (as ``save_pretrained`` writes them);
-    non-persistent buffers are left out.
-    """
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_model_state_dict(model, options=opts)
-    if not full:
-        return {}
-    all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    first_names = {n for n, _ in model.named_parameters()}
-    tied = all_names - first_names
-    out: dict[str, torch.Tensor] = {}
-    for k, v in full.items():
-        assert isinstance(v, torch.Tensor), f"{k}: expected a tensor, got {type(v).__name__}"
-        if k not in tied:
-            out[k] = v
-    return out
 
 
 def _shard(state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -180,10 +154,3 @@ def write_hf_dir(
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return out
-
-
-def broadcast_ok(ok: bool, device: torch.device) -> bool:
-    """Rank 0's ``ok`` on every rank (so a failed write on rank 0 fails every rank)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.broadcast(flag, src=0)
-    return bool(flag.item())

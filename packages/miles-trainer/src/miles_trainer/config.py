@@ -1,16 +1,33 @@
-"""Typed configs: the RL loss (`LossConfig`) and the FSDP2 trainer (`TrainerConfig`)."""
+"""Typed configs: the trainer (`TrainerConfig`, which picks the backend) and its parts.
+
+Each config validates itself in ``__post_init__`` (a `ValueError` naming the field and the fix)
+and has a ``build()`` that makes its component. A recipe fills them from YAML under
+``trainer:`` (``trainer.loss.clip_high``, ``trainer.offload.mode``, ...).
+"""
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from miles_trainer.fsdp.config import FSDPConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles_trainer.trainer import Trainer
 
 __all__ = [
+    "BACKENDS",
     "DTYPES",
     "KL_TYPES",
     "LOSS_AGG_MODES",
     "OFFLOAD_MODES",
     "LossConfig",
+    "OffloadConfig",
     "QATConfig",
     "TrainerConfig",
 ]
@@ -19,6 +36,7 @@ KL_TYPES = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 DTYPES = ("float32", "bfloat16", "float16")
 OFFLOAD_MODES = ("none", "cpu", "nvme")
+BACKENDS = ("fsdp", "megatron")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,10 +128,98 @@ class QATConfig:
         if self.group not in (32, 128):
             raise ValueError(f"QATConfig.group must be 32 or 128, got {self.group}")
 
+    def build(self, model: torch.nn.Module) -> Any:
+        """Install INT4 fake quantization (straight-through gradient) on ``model``.
+
+        Returns:
+            miles-quant's ``QATHandle`` (``targets`` lists the fake-quantized parameters).
+
+        Raises:
+            ImportError: miles-quant is not installed.
+            ValueError: no parameter matches ``patterns``, or one cannot be grouped.
+        """
+        try:
+            from miles_quant.qat import apply_int4_qat
+        except ImportError as e:
+            raise ImportError(
+                "TrainerConfig.qat needs miles-quant: pip install miles-quant "
+                "(or pip install 'miles-trainer[quant]')"
+            ) from e
+        return apply_int4_qat(model, patterns=self.patterns, group=self.group)
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadConfig:
+    """Where the AdamW state (fp32 master weights and moments) lives, through miles-offload.
+
+    Attributes:
+        mode: "none" (torch AdamW, state beside the parameters), "cpu" (CPU memory) or "nvme"
+            (per-bucket files under ``path``, streamed three buckets at a time). "cpu" and
+            "nvme" need the miles-offload package (``pip install 'miles-trainer[offload]'``) and
+            give the same parameters as "none", bit for bit.
+        path: directory for "nvme" state on node-local disk; rank r uses ``<path>/rank<r>``.
+            Required with "nvme".
+        bucket_mb: optimizer state per bucket in MiB (master + moments). > 0.
+    """
+
+    mode: str = "none"
+    path: str | None = None
+    bucket_mb: float = 64.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in OFFLOAD_MODES:
+            raise ValueError(
+                f"OffloadConfig.mode must be one of {OFFLOAD_MODES}, got {self.mode!r}"
+            )
+        if self.mode == "nvme" and not self.path:
+            raise ValueError(
+                'OffloadConfig.mode = "nvme" needs path (a directory on node-local disk)'
+            )
+        if not self.bucket_mb > 0:
+            raise ValueError(f"OffloadConfig.bucket_mb must be > 0, got {self.bucket_mb}")
+
+    def build(
+        self,
+        params: Iterable[Any],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        rank: int,
+    ) -> Any:
+        """miles_offload.AdamW over ``params`` for mode "cpu" or "nvme".
+
+        Raises:
+            ImportError: miles-offload is not installed (the message names the pip command).
+        """
+        assert self.mode in ("cpu", "nvme"), "mode 'none' uses torch's AdamW"
+        try:
+            import miles_offload  # pants: no-infer-dep (optional extra; tests depend on its wheel)
+        except ImportError as exc:
+            raise ImportError(
+                f'trainer.offload.mode = "{self.mode}" needs the miles-offload package: '
+                "pip install miles-offload (or pip install 'miles-trainer[offload]')"
+            ) from exc
+        path = None
+        if self.mode == "nvme":
+            assert self.path is not None
+            path = os.path.join(self.path, f"rank{rank}")
+        return miles_offload.AdamW(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            offload=self.mode,
+            path=path,
+            bucket_mb=self.bucket_mb,
+        )
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:
-    """Everything `FSDPTrainer` needs.
+    """Everything a trainer needs; ``backend`` picks which one `build` makes.
 
     Attributes:
         model_path: local Hugging Face model directory (config.json plus safetensors weights).
@@ -135,16 +241,12 @@ class TrainerConfig:
         seed: torch RNG seed set at construction.
         ref_model_path: reference model directory for the KL term; None means ``model_path``.
             Only loaded when ``loss.kl_coef > 0``.
-        offload: where the AdamW state (fp32 master weights and moments) lives: "none" (torch
-            AdamW, state beside the parameters), "cpu" (CPU memory) or "nvme" (per-bucket files
-            under ``offload_path``, streamed three buckets at a time). "cpu" and "nvme" need
-            the miles-offload package (``pip install miles-trainer[offload]``) and give the
-            same parameters as "none", bit for bit.
-        offload_path: directory for "nvme" state on node-local disk; rank r uses
-            ``<offload_path>/rank<r>``. Required with "nvme".
-        offload_bucket_mb: optimizer state per bucket in MiB (master + moments). > 0.
+        offload: where the optimizer state lives (`OffloadConfig`).
         qat: INT4 quantization-aware training of the policy (not the reference model); None
             trains in plain precision. Needs miles-quant (``pip install 'miles-trainer[quant]'``).
+        fsdp: settings only the FSDP2 backend reads.
+        backend: "fsdp" (`FSDPTrainer`: PyTorch FSDP2) or "megatron" (`MegatronTrainer`:
+            megatron-core). Both take the same `TrainBatch` and use the same loss hub.
     """
 
     model_path: str
@@ -160,14 +262,18 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     seed: int = 0
     ref_model_path: str | None = None
-    offload: str = "none"
-    offload_path: str | None = None
-    offload_bucket_mb: float = 64.0
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     qat: QATConfig | None = None
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    backend: str = "fsdp"
 
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("TrainerConfig.model_path must name a Hugging Face model directory")
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"TrainerConfig.backend must be one of {BACKENDS}, got {self.backend!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainerConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.lr >= 0.0 and math.isfinite(self.lr)):
@@ -193,15 +299,28 @@ class TrainerConfig:
                 f"TrainerConfig.temperature must be finite and > 0 (score a greedy rollout at "
                 f"1.0), got {self.temperature}"
             )
-        if self.offload not in OFFLOAD_MODES:
-            raise ValueError(
-                f"TrainerConfig.offload must be one of {OFFLOAD_MODES}, got {self.offload!r}"
+
+    def build(self) -> Trainer:
+        """The trainer of ``backend``, constructed (collective: every rank calls it).
+
+        Raises:
+            ImportError: the backend's optional dependency is missing (the message names it),
+                or the backend is not part of this installation.
+        """
+        if self.backend == "fsdp":
+            from miles_trainer.fsdp.trainer import FSDPTrainer
+
+            return FSDPTrainer(self)
+        try:
+            from miles_trainer.megatron.trainer import (  # type: ignore[import-not-found,unused-ignore]
+                MegatronTrainer,
             )
-        if self.offload == "nvme" and not self.offload_path:
-            raise ValueError(
-                'TrainerConfig.offload = "nvme" needs offload_path (a directory on node-local disk)'
-            )
-        if not self.offload_bucket_mb > 0:
-            raise ValueError(
-                f"TrainerConfig.offload_bucket_mb must be > 0, got {self.offload_bucket_mb}"
-            )
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("miles_trainer.megatron", "miles_trainer.megatron.trainer"):
+                raise
+            raise ImportError(
+                'trainer.backend = "megatron": this miles-trainer has no Megatron backend yet '
+                '(miles_trainer.megatron.trainer is missing); use backend "fsdp"'
+            ) from exc
+        trainer: Trainer = MegatronTrainer(self)
+        return trainer

@@ -6,7 +6,6 @@ for a single device, or ``torchrun --nproc_per_node N`` for N (gloo on CPU, NCCL
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
 from dataclasses import dataclass
@@ -19,73 +18,23 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from miles_trainer._attention import attn_implementation
-from miles_trainer._batch import MicroBatch, TrainBatch, pack_micro_batch
-from miles_trainer._checkpoint import broadcast_ok, gather_full_state_dict, write_hf_dir
-from miles_trainer._config import TrainerConfig
-from miles_trainer._gloo_exit import wait_for_gloo_workers
-from miles_trainer._logprobs import response_logprobs
-from miles_trainer._losses import policy_loss
+from miles_trainer._distributed import broadcast_ok, init_distributed
+from miles_trainer._hf_dir import write_hf_dir
 from miles_trainer._malloc import keep_freed_memory
-from miles_trainer._optim import build_offload_optimizer
-from miles_trainer._parallelize import (
-    MixedPrecisionCopy,
-    apply_fsdp,
-    cast_frozen_params,
-    load_model,
-)
-from miles_trainer._qat import apply_qat
 from miles_trainer._rmsnorm import use_fast_rms_norm
+from miles_trainer.batch import MicroBatch, TrainBatch, pack_micro_batch
+from miles_trainer.config import TrainerConfig
+from miles_trainer.fsdp.checkpoint import gather_full_state_dict
+from miles_trainer.fsdp.optim import build_optimizer
+from miles_trainer.fsdp.parallelize import MixedPrecisionCopy, cast_frozen_params, load_model
+from miles_trainer.logprobs import response_logprobs
+from miles_trainer.losses import policy_loss
 
 __all__ = ["FSDPTrainer"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Per-micro-batch metrics summed over micro-batches and ranks (each is a global partial sum).
 _SUMMED = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "abs_diff_sum")
-
-
-# How long the atexit handler below waits at most for gloo's worker threads to park.
-_EXIT_WAIT_S = 5.0
-
-
-def _destroy_own_group(group: Any) -> None:
-    """atexit: wait until gloo's worker threads are parked, then destroy the group
-    `_init_distributed` made.
-
-    A gloo worker thread frees each finished collective's tensors after the caller's `wait()`
-    has returned; freeing a tensor whose Python object is gone takes the GIL. When the process
-    exits right after its last collective, that thread may get the GIL only once interpreter
-    teardown has begun, and CPython then ends it with pthread_exit, whose unwinding through
-    torch's C++ frames calls std::terminate: the process aborts at exit ("terminate called
-    without an active exception", SIGABRT; pytorch/pytorch#190489; 4 of 62 runs of the 2-rank
-    QAT test on a loaded 2-core machine). Waiting here, before teardown and with the GIL
-    released, until those threads sleep unscheduled (`_gloo_exit`) lets them finish; destroying
-    the group afterwards shuts its backend down. A group the caller created (or replaced since)
-    is the caller's to destroy.
-    """
-    if dist.is_initialized() and dist.group.WORLD is group:
-        wait_for_gloo_workers(_EXIT_WAIT_S)
-        dist.destroy_process_group()
-
-
-def _init_distributed() -> tuple[int, int, torch.device]:
-    """Join (or create) the default process group; return (rank, world size, device).
-
-    A group created here is destroyed at interpreter exit (`_destroy_own_group`).
-    """
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        backend = "nccl" if cuda else "gloo"
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)  # launched by torchrun (env:// rendezvous)
-        else:
-            # No launcher: a private one-process group, no port needed.
-            store = dist.HashStore()  # type: ignore[attr-defined]
-            dist.init_process_group(backend, store=store, rank=0, world_size=1)
-        atexit.register(_destroy_own_group, dist.group.WORLD)
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 @dataclass(slots=True)
@@ -127,7 +76,7 @@ class FSDPTrainer:
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
-        self._rank, self._world, self._device = _init_distributed()
+        self._rank, self._world, self._device = init_distributed()
         self._mesh = init_device_mesh(self._device.type, (self._world,), mesh_dim_names=("dp",))
         torch.manual_seed(config.seed)
         dtype = _DTYPES[config.dtype]
@@ -138,7 +87,7 @@ class FSDPTrainer:
         )
         # QAT hooks sit on the policy's expert modules; they see whatever the forward computes
         # with (the bf16 copies on one rank, FSDP2's unsharded parameters on several).
-        self._qat = apply_qat(self._model, config.qat) if config.qat is not None else None
+        self._qat = config.qat.build(self._model) if config.qat is not None else None
         self._ref: torch.nn.Module | None = None
         if config.loss.kl_coef > 0:
             ref_path = config.ref_model_path or config.model_path
@@ -153,9 +102,9 @@ class FSDPTrainer:
             keep_freed_memory()  # reuse activation memory instead of page-faulting it in
         self._mp: MixedPrecisionCopy | None = None
         if self._sharded:
-            apply_fsdp(self._model, self._mesh, dtype)
+            config.fsdp.build(self._model, self._mesh, dtype)
             if self._ref is not None:
-                apply_fsdp(self._ref, self._mesh, dtype)
+                config.fsdp.build(self._ref, self._mesh, dtype)
         else:
             self._model.to(self._device)
             if self._ref is not None:
@@ -167,19 +116,7 @@ class FSDPTrainer:
         embeddings = self._model.get_input_embeddings()
         assert isinstance(embeddings, torch.nn.Embedding)
         self._vocab_size = int(embeddings.num_embeddings)
-        # foreach: one op per tensor list instead of per tensor; on plain tensors and on
-        # DTensors (CPU gloo included) it gives the same bits as the per-tensor loop.
-        self._optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            self._model.parameters(),
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-            foreach=True,
-            fused=False,
-        )
-        if config.offload != "none":  # the same update with the state in CPU memory or on NVMe
-            self._optimizer = build_offload_optimizer(self._model.parameters(), config, self._rank)
+        self._optimizer = build_optimizer(list(self._model.parameters()), config, self._rank)
 
     # ------------------------------------------------------------------ properties
 

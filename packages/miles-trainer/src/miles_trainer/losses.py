@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from miles_trainer._config import LossConfig
+from miles_trainer.config import LossConfig
 
 __all__ = ["aggregate", "kl_estimate", "policy_loss"]
 

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.func import functional_call
 
-from miles_trainer._checkpoint import check_model_dir
+from miles_trainer._hf_dir import check_model_dir
 
 __all__ = ["MixedPrecisionCopy", "apply_fsdp", "cast_frozen_params", "load_model"]
 
@@ -41,9 +41,15 @@ def load_model(path: str, what: str, *, attn_implementation: str, trainable: boo
     return model
 
 
-def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, dtype: torch.dtype) -> None:
+def apply_fsdp(
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    dtype: torch.dtype,
+    *,
+    reshard_after_forward: bool = True,
+) -> None:
     """Shard each decoder layer and the root with FSDP2; low-precision compute if asked."""
-    kwargs: dict[str, Any] = {"mesh": mesh}
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     block_names = set(getattr(model, "_no_split_modules", None) or ())
