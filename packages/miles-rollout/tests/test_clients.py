@@ -71,6 +71,7 @@ def test_generate_exact_and_concurrent(client_factory: Any, teacher_logprobs: Te
             assert out.completion_tokens == 10
             assert out.finish_reason.type == "length"
             assert out.weight_version == "0"
+            assert out.output_weight_versions == ["0"] * 10
             assert out.output_logprobs is not None
             ref = teacher_logprobs(p, out.output_ids, 0.8)
             assert max(abs(a - b) for a, b in zip(out.output_logprobs, ref)) < 1e-5

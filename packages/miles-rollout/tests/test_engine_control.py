@@ -208,6 +208,29 @@ def test_update_weight_version_and_abort_request(fresh_engine: Engine) -> None:
     assert fresh_engine.abort_request("r") == 0
 
 
+def test_each_output_token_reports_the_weight_version_that_made_it(fresh_engine: Engine) -> None:
+    """A request in flight across an update has tokens from both versions, in order."""
+    (fut,) = _submit_long(fresh_engine)[:1]
+    _wait_running(fresh_engine, 1)
+    fresh_engine.pause_generation("in_place")
+    try:
+        norm = fresh_engine.weights_checksum(["model.norm.weight"])
+        fresh_engine.update_weights_from_tensor(
+            [("model.norm.weight", torch.full((64,), 1.5))], weight_version="1"
+        )
+        assert fresh_engine.weights_checksum(["model.norm.weight"]) != norm
+    finally:
+        fresh_engine.continue_generation()
+    out = fut.result(timeout=30)
+    versions = out.output_weight_versions
+    assert versions is not None
+    assert len(versions) == out.completion_tokens == 90
+    k = versions.count("0")
+    assert 1 <= k < 90
+    assert versions == ["0"] * k + ["1"] * (90 - k)
+    assert out.weight_version == "1"
+
+
 def test_shutdown_aborts_in_flight_requests(model_dir: Path) -> None:
     eng = EngineConfig(model_path=str(model_dir)).build()
     futs = _submit_long(eng)

@@ -61,6 +61,8 @@ def test_generate_response_has_sglang_shape(server: ServerHandle) -> None:
     assert meta["prompt_tokens"] == 3
     assert meta["completion_tokens"] == 4
     assert meta["weight_version"] == "0"
+    assert meta["output_token_weight_versions"] == ["0"] * 4  # a Miles extension
+    assert meta["cached_tokens"] == 0
     triples = meta["output_token_logprobs"]
     assert [t[1] for t in triples] == resp["output_ids"]
     assert all(t[2] is None and isinstance(t[0], float) for t in triples)
@@ -243,6 +245,9 @@ def test_routing_key_api_key_and_missing_checksum_endpoint() -> None:
                 assert out.output_ids == [7]
                 assert out.output_logprobs == [-0.5]
                 assert out.weight_version == "w"
+                # No per-token versions from a stock server: the request's version per token.
+                assert out.output_weight_versions == ["w"]
+                assert out.cached_tokens == 0
                 with pytest.raises(SGLangHTTPError, match="not a miles-rollout server"):
                     await c.weights_checksum()
         finally:

@@ -119,10 +119,13 @@ def response_dict(
         "finish_reason": out.finish_reason.to_json(),
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
-        "cached_tokens": 0,
+        "cached_tokens": out.cached_tokens,
         "weight_version": out.weight_version,
         "e2e_latency": latency,
     }
+    if out.output_weight_versions is not None:
+        # A Miles extension: the weight version of each output token (SGLang reports one).
+        meta["output_token_weight_versions"] = out.output_weight_versions
     if item.return_logprob:
         assert out.output_logprobs is not None
         texts: list[str | None]

@@ -53,6 +53,9 @@ class Request:
     future: Future[GenerateOutput]
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # The engine's weight version when each output token was sampled.
+    output_weight_versions: list[str] = field(default_factory=list)
+    cached_tokens: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -324,10 +327,12 @@ class Scheduler:
         uniforms = [uniform(r.seed, len(r.output_ids)) for r in reqs]
         tok_t, lp_t = sampler.sample(logits, uniforms)
         self.generated_tokens += len(reqs)
+        version = self._weight_version()
         finished: list[tuple[int, FinishReason]] = []
         for i, req, tok, lp in zip(rows, reqs, tok_t.tolist(), lp_t.tolist()):
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
+            req.output_weight_versions.append(version)
             reason = self._check_finished(req, tok)
             if reason is not None:
                 finished.append((i, reason))
@@ -387,6 +392,8 @@ class Scheduler:
             completion_tokens=len(req.output_ids),
             rid=req.rid,
             text=text,
+            output_weight_versions=list(req.output_weight_versions),
+            cached_tokens=req.cached_tokens,
         )
         with contextlib.suppress(InvalidStateError):  # cancelled since the check above
             req.future.set_result(out)

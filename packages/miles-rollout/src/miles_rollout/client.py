@@ -335,15 +335,23 @@ def parse_generate_response(resp: Mapping[str, Any], *, prompt_tokens: int) -> G
     logprobs = None
     if meta.get("output_token_logprobs") is not None:
         logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
+    weight_version = str(meta.get("weight_version", ""))
+    per_token = meta.get("output_token_weight_versions")
+    if per_token is not None and len(per_token) == len(output_ids):
+        versions = [str(v) for v in per_token]
+    else:  # a stock SGLang server reports one version for the whole request
+        versions = [weight_version] * len(output_ids)
     return GenerateOutput(
         output_ids=output_ids,
         output_logprobs=logprobs,
         finish_reason=FinishReason.from_json(meta.get("finish_reason")),
-        weight_version=str(meta.get("weight_version", "")),
+        weight_version=weight_version,
         prompt_tokens=int(meta.get("prompt_tokens", prompt_tokens)),
         completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
         rid=str(meta.get("id", "")),
         text=resp.get("text"),
+        output_weight_versions=versions,
+        cached_tokens=int(meta.get("cached_tokens") or 0),
     )
 
 

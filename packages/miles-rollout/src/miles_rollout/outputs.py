@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FinishReason", "GenerateOutput"]
 
@@ -66,6 +69,16 @@ class GenerateOutput:
         completion_tokens: ``len(output_ids)``.
         rid: the request id.
         text: the decoded output when the engine has a tokenizer, else ``None``.
+        output_weight_versions: the weight version that produced each output token (one
+            string per token). A request in flight across a weight update has tokens from
+            two versions. Servers that do not report it per token (a stock SGLang server)
+            give ``[weight_version] * completion_tokens`` through the client.
+        cached_tokens: prompt tokens whose KV came from the prefix cache (SGLang's
+            ``meta_info["cached_tokens"]``; counted once, at the request's first admission).
+        routed_experts: for MoE models asked with ``return_routed_experts``: the experts each
+            token was routed to, an int32 tensor ``[prompt_tokens + completion_tokens - 1,
+            num_layers, top_k]`` (SGLang's shape: every token that went through a forward
+            pass, i.e. all but the last output token); else ``None``.
     """
 
     output_ids: list[int]
@@ -76,3 +89,6 @@ class GenerateOutput:
     completion_tokens: int
     rid: str
     text: str | None = None
+    output_weight_versions: list[str] | None = None
+    cached_tokens: int = 0
+    routed_experts: torch.Tensor | None = None
