@@ -1,0 +1,426 @@
+"""The TITO session server: an OpenAI chat endpoint per session that keeps exact token ids.
+
+    handle = serve_sessions("http://127.0.0.1:30000", model_path="./ckpt")
+    # agents talk to f"{handle.url}/sessions/{sid}/v1" as an OpenAI base URL
+    handle.close()
+
+Endpoints (README "Sessions (TITO)"): ``POST /sessions``, ``POST /sessions/{id}/v1/chat/
+completions``, ``GET /sessions/{id}/samples``, ``GET /sessions/{id}``, ``DELETE
+/sessions/{id}``, ``GET /v1/models`` (also under a session), ``GET /health``. Each turn is one
+``/generate`` on the engine with ``input_ids``, logprobs on, and the session id as
+``X-SMG-Routing-Key``, so a router keeps a session on one engine (and DP rank).
+
+Errors are OpenAI-shaped JSON ``{"error": {"message", "type", "code"}}``: 400 for bad input
+(nothing changes in the session), 404 for an unknown session, 409 for a taken session id, 502
+when the engine fails, times out or aborts the turn (the session keeps its completed turns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import socket
+import threading
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from miles_rollout.client import EngineClient, SGLangClient, SGLangHTTPError
+from miles_rollout.sampling_params import SamplingParams
+from miles_rollout.session.protocol import ChatRequest, chat_completion, parse_chat_request
+from miles_rollout.session.render import TitoRenderer
+from miles_rollout.session.tool_parsers import ParsedMessage, parse_tool_calls
+from miles_rollout.session.trajectory import Trajectory
+
+__all__ = ["SessionServerHandle", "build_session_app", "serve_sessions"]
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_SESSION_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+
+
+class _UpstreamError(Exception):
+    """The engine failed the turn (502)."""
+
+
+def _error(status: int, message: str) -> web.Response:
+    kind = {404: "not_found_error", 409: "conflict_error", 502: "upstream_error"}.get(
+        status, "invalid_request_error" if status < 500 else "internal_error"
+    )
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return web.json_response(body, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    except _UpstreamError as exc:
+        return _error(502, str(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # never an HTML stack trace: log it, answer JSON
+        logger.exception("request %s %s failed", request.method, request.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"the request body is not valid JSON: {exc}") from exc
+
+
+@dataclass(slots=True)
+class _Session:
+    id: str
+    renderer: TitoRenderer
+    samples: list[Trajectory] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        self.samples.append(Trajectory(renderer=self.renderer))
+
+
+class _Routes:
+    def __init__(
+        self,
+        client: EngineClient,
+        renderer: TitoRenderer,
+        *,
+        model_name: str,
+        context_length: int | None,
+    ) -> None:
+        self.client = client
+        self.renderer = renderer
+        self.model_name = model_name
+        self._context_length = context_length
+        self._context_known = context_length is not None
+        self.sessions: dict[str, _Session] = {}
+
+    def _session(self, request: web.Request) -> _Session:
+        sid = request.match_info["sid"]
+        session = self.sessions.get(sid)
+        if session is None:
+            raise web.HTTPNotFound(reason=f"no session {sid!r}")
+        return session
+
+    async def context_length(self) -> int | None:
+        """The engine's context length, asked once (``None`` if it does not say)."""
+        if not self._context_known:
+            try:
+                info = await self.client.get_server_info()
+                value = info.get("context_length")
+                if value is None:
+                    value = (await self.client.get_model_info()).get("context_length")
+            except (SGLangHTTPError, aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                return None  # ask again next turn; the engine still rejects an overlong prompt
+            self._context_length = int(value) if isinstance(value, int) else None
+            self._context_known = True
+        return self._context_length
+
+    async def create(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict) or set(body) - {"session_id"}:
+            raise ValueError('the body must be {} or {"session_id": "..."}')
+        sid = body.get("session_id") or uuid.uuid4().hex
+        if not isinstance(sid, str) or not _SESSION_ID.match(sid):
+            raise ValueError(f"session_id must match [A-Za-z0-9_.:-]{{1,128}}, got {sid!r}")
+        if sid in self.sessions:
+            return _error(409, f"session {sid!r} exists; pick another id or DELETE it first")
+        self.sessions[sid] = _Session(sid, self.renderer)
+        return web.json_response({"session_id": sid})
+
+    async def info(self, request: web.Request) -> web.Response:
+        s = self._session(request)
+        current = s.samples[-1]
+        return web.json_response(
+            {
+                "session_id": s.id,
+                "num_samples": sum(1 for t in s.samples if t.turns),
+                "num_turns": len(current.turns),
+                "num_tokens": len(current.tokens),
+                "messages": current.messages,
+            }
+        )
+
+    async def samples(self, request: web.Request) -> web.Response:
+        s = self._session(request)
+        async with s.lock:  # never export a half-committed turn
+            out = [t.to_dict() for t in s.samples if t.turns]
+        return web.json_response({"session_id": s.id, "samples": out})
+
+    async def delete(self, request: web.Request) -> web.Response:
+        s = self._session(request)
+        del self.sessions[s.id]
+        return web.json_response({"session_id": s.id, "deleted": True})
+
+    async def models(self, request: web.Request) -> web.Response:
+        entry = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "miles"}
+        return web.json_response({"object": "list", "data": [entry]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def chat(self, request: web.Request) -> web.Response:
+        s = self._session(request)
+        req = parse_chat_request(await _json_body(request))
+        async with s.lock:
+            return web.json_response(await self._turn(s, req))
+
+    async def _turn(self, s: _Session, req: ChatRequest) -> dict[str, Any]:
+        current = s.samples[-1]
+        plan = current.plan(req.messages, req.tools)
+        target = Trajectory(renderer=self.renderer) if plan.kind == "new_sample" else current
+        input_ids = target.input_ids(plan)
+        ctx = await self.context_length()
+        max_new = req.max_tokens
+        if ctx is not None:
+            if len(input_ids) >= ctx:
+                raise ValueError(
+                    f"the conversation is {len(input_ids)} tokens with this request, over the "
+                    f"engine's context length ({ctx}); start a new session or shorten it"
+                )
+            room = ctx - len(input_ids)
+            max_new = room if max_new is None else min(max_new, room)
+        params = SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_new_tokens=max_new,
+            stop=req.stop,
+            seed=req.seed,
+        )
+        try:
+            out = await self.client.generate(
+                input_ids, params, return_logprob=True, routing_key=s.id
+            )
+        except ValueError as exc:  # the engine's 400: nothing was generated
+            raise ValueError(f"the engine rejected the turn: {exc}") from exc
+        except (SGLangHTTPError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise _UpstreamError(
+                f"the engine failed the turn ({type(exc).__name__}: {exc}); the session keeps "
+                "its completed turns, retry the request"
+            ) from exc
+        ids = list(out.output_ids)
+        finish = out.finish_reason
+        if finish.type == "abort":
+            raise _UpstreamError(
+                f"the engine aborted the turn ({finish.message}); the session keeps its "
+                "completed turns, retry the request"
+            )
+        logprobs = list(out.output_logprobs or [])
+        if len(logprobs) != len(ids):
+            raise _UpstreamError(
+                f"the engine returned {len(ids)} tokens but {len(logprobs)} logprobs"
+            )
+        versions = getattr(out, "output_weight_versions", None)
+        if versions is None or len(versions) != len(ids):
+            versions = [out.weight_version] * len(ids)
+        parsed = self._parse(ids, finish.matched if finish.type == "stop" else None, req)
+        reply: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            reply["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
+        target.commit(
+            plan,
+            output_ids=ids,
+            logprobs=logprobs,
+            weight_versions=[str(v) for v in versions],
+            reply=reply,
+            finish_reason=finish.type,
+            routed_experts=getattr(out, "routed_experts", None),
+        )
+        if plan.kind == "new_sample":
+            logger.info("session %s: new sample (%s)", s.id, plan.reason)
+            s.samples.append(target)
+        reason = "length" if finish.type == "length" else "stop"
+        if parsed.tool_calls:
+            reason = "tool_calls"
+        lp = None
+        if req.logprobs:
+            tok = self.renderer.tokenizer
+            lp = [
+                {"token": tok.decode([t]), "logprob": v, "bytes": None, "top_logprobs": []}
+                for t, v in zip(ids, logprobs)
+            ]
+        return chat_completion(
+            model=self.model_name,
+            parsed=parsed,
+            finish_reason=reason,
+            prompt_tokens=len(input_ids),
+            completion_tokens=len(ids),
+            logprobs=lp,
+        )
+
+    def _parse(self, ids: list[int], matched: Any, req: ChatRequest) -> ParsedMessage:
+        body = ids[:-1] if isinstance(matched, int) and ids and ids[-1] == matched else ids
+        family = self.renderer.family
+        text = self.renderer.tokenizer.decode(body, skip_special_tokens=not family.decode_special)
+        if isinstance(matched, str) and matched in text:
+            text = text[: text.index(matched)]  # OpenAI cuts the text before a stop string
+        if not req.parse_tools:
+            return ParsedMessage(content=text, tool_calls=[])
+        parsed = parse_tool_calls(text, family.tool_parser)
+        if parsed.error is not None:
+            logger.info("unparsed tool call returned as content: %s", parsed.error)
+        return parsed
+
+
+def build_session_app(
+    client: EngineClient,
+    renderer: TitoRenderer,
+    *,
+    model_name: str = "miles",
+    context_length: int | None = None,
+) -> web.Application:
+    """The aiohttp application (for embedding in another aiohttp server)."""
+    r = _Routes(client, renderer, model_name=model_name, context_length=context_length)
+    app = web.Application(middlewares=[_errors], client_max_size=1 << 28)
+    app.add_routes(
+        [
+            web.post("/sessions", r.create),
+            web.get("/sessions/{sid}", r.info),
+            web.delete("/sessions/{sid}", r.delete),
+            web.get("/sessions/{sid}/samples", r.samples),
+            web.post("/sessions/{sid}/v1/chat/completions", r.chat),
+            web.get("/sessions/{sid}/v1/models", r.models),
+            web.get("/v1/models", r.models),
+            web.get("/health", r.health),
+        ]
+    )
+    app["routes"] = r
+    return app
+
+
+class SessionServerHandle:
+    """A running session server: ``url``, ``host``, ``port``, :meth:`session_url`, :meth:`close`."""
+
+    def __init__(self, host: str, port: int, stop: Callable[[], None]) -> None:
+        self.host = host
+        self.port = port
+        self.url = f"http://{host}:{port}"
+        self._stop = stop
+        self._closed = False
+
+    def session_url(self, session_id: str) -> str:
+        """The OpenAI base URL of one session (``.../sessions/{id}/v1``)."""
+        return f"{self.url}/sessions/{session_id}/v1"
+
+    def close(self) -> None:
+        """Stop serving and close the engine client it made (an engine passed in stays)."""
+        if not self._closed:
+            self._closed = True
+            self._stop()
+
+    def __enter__(self) -> SessionServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve_sessions(
+    engine: str | EngineClient,
+    model_path: str | Path | None = None,
+    *,
+    tokenizer: Any = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    template_family: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    engine_timeout_s: float = 600.0,
+    context_length: int | None = None,
+    model_name: str | None = None,
+) -> SessionServerHandle:
+    """Serve TITO sessions from a background thread; return once it accepts requests.
+
+    Args:
+        engine: the engine's base URL (an SGLang server, a router, ``miles_rollout.serve``),
+            or any :class:`~miles_rollout.EngineClient` (e.g. ``LocalEngineClient(engine)``).
+        model_path: the directory of the policy's tokenizer and chat template.
+        tokenizer: an already loaded HF tokenizer instead of ``model_path``.
+        host: the address to bind (loopback by default).
+        port: the TCP port; ``0`` picks a free one.
+        template_family: a name from ``session.families.FAMILIES``; ``None`` detects it.
+        template_kwargs: extra chat-template variables (e.g. ``{"enable_thinking": False}``).
+        engine_timeout_s: the most seconds one engine call may take (then 502).
+        context_length: the engine's context length; ``None`` asks the engine.
+        model_name: the name in ``/v1/models`` and completions (default: the directory name).
+
+    Raises:
+        ValueError: no tokenizer, no chat template, or a family that does not fit it.
+    """
+    if tokenizer is None:
+        if model_path is None:
+            raise ValueError("pass model_path (the tokenizer's directory) or tokenizer")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    renderer = TitoRenderer(tokenizer, template_family, template_kwargs=template_kwargs)
+    name = model_name or (Path(model_path).name if model_path is not None else "miles")
+    sock = socket.create_server((host, port))
+    bound_port = sock.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    own_client = isinstance(engine, str)
+    started = threading.Event()
+    failure: list[BaseException] = []
+    state: dict[str, Any] = {}
+
+    async def setup() -> None:
+        # The HTTP client must be made inside the loop that uses it.
+        client = (
+            SGLangClient(engine, timeout=engine_timeout_s) if isinstance(engine, str) else engine
+        )
+        state["client"] = client
+        app = build_session_app(client, renderer, model_name=name, context_length=context_length)
+        runner = web.AppRunner(app, handle_signals=False)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        state["runner"] = runner
+
+    async def cleanup() -> None:
+        await state["runner"].cleanup()
+        if own_client:
+            await state["client"].close()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(setup())
+        except BaseException as exc:
+            failure.append(exc)
+            started.set()
+            return
+        started.set()
+        loop.run_forever()
+        loop.run_until_complete(cleanup())
+        loop.close()
+
+    thread = threading.Thread(target=run, name=f"miles-sessions-{bound_port}", daemon=True)
+    thread.start()
+    started.wait()
+    if failure:
+        sock.close()
+        raise failure[0]
+
+    def stop() -> None:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+
+    return SessionServerHandle(host, bound_port, stop)
