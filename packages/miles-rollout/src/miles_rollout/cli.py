@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--num-threads", type=int, default=None)
     s.add_argument("--weight-version", default="0")
+    from miles_rollout.fleet.cli import add_parser as add_fleet_parser
+
+    add_fleet_parser(sub)
     return parser
 
 
@@ -40,7 +43,14 @@ def main(argv: list[str] | None = None, *, stop: threading.Event | None = None) 
         argv: the arguments (default ``sys.argv[1:]``).
         stop: serve until this is set; by default until SIGINT or SIGTERM.
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "fleet":  # engine flags pass through (--sglang-*, --engine-*)
+        from miles_rollout.fleet.cli import run as run_fleet
+
+        return run_fleet(args, extra, stop=stop)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from miles_rollout.config import EngineConfig
     from miles_rollout.server import serve
 

@@ -1,0 +1,159 @@
+"""Starting one engine process and waiting until it serves.
+
+Three backends build the command line (:func:`engine_command`); the wait is the same for all:
+the process must stay up, its URL is known (the embedded engine binds port 0 and prints
+``... at http://HOST:PORT``; the others get a free port), and ``GET /health`` must answer 200
+(connection refused and 503 mean "still starting", as SGLang answers while it loads).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from miles_rollout.fleet.config import FleetConfig
+from miles_rollout.fleet.processes import ChildProcess
+from miles_rollout.fleet.sglang import cli_flags, sglang_argv
+
+__all__ = [
+    "EngineCommand",
+    "StartupError",
+    "engine_command",
+    "free_port",
+    "wait_for",
+    "wait_healthy",
+]
+
+_URL_LINE = re.compile(rb" at (http://[^\s]+)")
+
+
+class StartupError(RuntimeError):
+    """A fleet process did not come up; the message holds the tail of its log."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCommand:
+    """How to start one engine: ``argv``, and ``port`` (0: it announces its URL in its log)."""
+
+    argv: list[str]
+    port: int
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host`` (for programs that cannot bind port 0 themselves)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def engine_command(cfg: FleetConfig, index: int) -> EngineCommand:
+    """The command line of engine ``index`` for ``cfg.backend``."""
+    if cfg.backend == "embedded":
+        argv = [sys.executable, "-m", "miles_rollout.cli", "serve"]
+        argv += ["--model-path", cfg.model_path, "--host", cfg.host, "--port", "0"]
+        if cfg.dp_size > 1:
+            argv += ["--dp-size", str(cfg.dp_size)]
+        args: dict[str, Any] = dict(cfg.engine_args)
+        args["seed"] = int(args.get("seed", 0)) + index  # engines draw different streams
+        return EngineCommand(argv + cli_flags(args), 0)
+    port = free_port(cfg.host)
+    if cfg.backend == "sglang":
+        argv = sglang_argv(
+            index=index,
+            model_path=cfg.model_path,
+            host=cfg.host,
+            port=port,
+            dp_size=cfg.dp_size,
+            sglang_args=cfg.sglang_args,
+            python=cfg.sglang_python,
+        )
+        return EngineCommand(argv, port)
+    assert cfg.command is not None
+    values = {
+        "port": port,
+        "host": cfg.host,
+        "model_path": cfg.model_path,
+        "dp_size": cfg.dp_size,
+        "index": index,
+    }
+    return EngineCommand([part.format(**values) for part in cfg.command], port)
+
+
+def wait_for(
+    check: Callable[[], bool],
+    *,
+    child: ChildProcess,
+    what: str,
+    deadline: float,
+    interval_s: float = 0.1,
+) -> None:
+    """Poll ``check()`` until it is true; fail at once if ``child`` exits, or at ``deadline``.
+
+    Raises:
+        StartupError: the process exited or the deadline passed (with its log's tail).
+    """
+    while True:
+        status = child.poll()
+        if status is not None:
+            raise StartupError(
+                f"{child.name} exited with status {status} before {what}; "
+                f"last lines of {child.log_path}:\n{child.log_tail()}"
+            )
+        if check():
+            return
+        if time.monotonic() > deadline:
+            raise StartupError(
+                f"{child.name} (pid {child.pid}) did not get to {what} in time; "
+                f"last lines of {child.log_path}:\n{child.log_tail()}"
+            )
+        time.sleep(interval_s)
+
+
+def announced_url(child: ChildProcess) -> str | None:
+    """The ``http://...`` URL the process printed after `` at `` in its log, if any yet."""
+    try:
+        match = _URL_LINE.search(child.log_path.read_bytes())
+    except OSError:
+        return None
+    return match.group(1).decode() if match else None
+
+
+def health_ok(url: str, timeout_s: float = 5.0) -> bool:
+    """``GET {url}/health`` answered 200 (refused, 5xx and timeouts: not yet)."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
+            return int(resp.status) == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_healthy(child: ChildProcess, command: EngineCommand, host: str, deadline: float) -> str:
+    """Wait until the engine answers ``/health`` with 200; return its base URL.
+
+    Raises:
+        StartupError: it exited, or was not healthy by ``deadline``.
+    """
+    url = f"http://{host}:{command.port}" if command.port else None
+    if url is None:
+        found: list[str] = []
+
+        def announced() -> bool:
+            u = announced_url(child)
+            if u is not None:
+                found.append(u)
+            return u is not None
+
+        wait_for(announced, child=child, what="printing its URL", deadline=deadline)
+        url = found[0]
+    base = url
+    wait_for(
+        lambda: health_ok(base), child=child, what=f"a healthy {base}/health", deadline=deadline
+    )
+    return base
