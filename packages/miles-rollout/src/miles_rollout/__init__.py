@@ -3,6 +3,7 @@
 from miles_rollout.client import EngineClient, LocalEngineClient, SGLangClient, SGLangHTTPError
 from miles_rollout.config import EngineConfig
 from miles_rollout.engine import Engine
+from miles_rollout.generate import MultiTurnGenerate, make_generate_fn
 from miles_rollout.outputs import FinishReason, GenerateOutput
 from miles_rollout.rollout import (
     RewardFn,
@@ -14,7 +15,9 @@ from miles_rollout.rollout import (
 from miles_rollout.sample import Sample, SampleStatus
 from miles_rollout.sampling_params import SamplingParams
 from miles_rollout.server import ServerHandle, serve
-from miles_rollout.tasks import ArithmeticTask, PromptItem
+from miles_rollout.session import serve_sessions
+from miles_rollout.tasks import ArithmeticTask
+from miles_rollout.types import GenerateContext, GenerateFn, PromptItem, Task
 from miles_rollout.version import __version__
 
 __all__ = [
@@ -23,8 +26,11 @@ __all__ = [
     "EngineClient",
     "EngineConfig",
     "FinishReason",
+    "GenerateContext",
+    "GenerateFn",
     "GenerateOutput",
     "LocalEngineClient",
+    "MultiTurnGenerate",
     "PromptItem",
     "RewardFn",
     "RolloutResult",
@@ -34,9 +40,12 @@ __all__ = [
     "SampleStatus",
     "SamplingParams",
     "ServerHandle",
+    "Task",
     "__version__",
     "encode_prompt",
     "generate_rollout",
+    "make_generate_fn",
     "rollout_metrics",
     "serve",
+    "serve_sessions",
 ]

@@ -1,31 +1,41 @@
 """Rollout orchestration: turn prompts into graded groups of samples through any engine client.
 
 The same code drives the embedded engine (``LocalEngineClient``) and SGLang servers
-(``SGLangClient``): it only calls ``client.generate``. Every sample of a group is submitted at
-once, so the engine's continuous batching sees the whole rollout batch; a semaphore bounds
-in-flight requests.
+(``SGLangClient``). Each sample goes through a generate function (single-turn by default,
+session-based multi-turn, or a user's own; see ``miles_rollout.types.GenerateFn``). Every sample
+of a group is submitted at once, so the engine's continuous batching sees the whole rollout
+batch; a semaphore bounds samples in flight. A generate function with ``needs_sessions`` gets a
+TITO session server started in this event loop for the rollout (or the one at
+``sessions_url``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from miles_rollout.generate.single_turn import encode_prompt, single_turn_generate
 from miles_rollout.sample import Sample, SampleStatus
-from miles_rollout.tasks.arithmetic import PromptItem
+from miles_rollout.types import GenerateContext, GenerateFn, PromptItem, RewardFn
 
 if TYPE_CHECKING:
     from miles_rollout.client import EngineClient
     from miles_rollout.sampling_params import SamplingParams
 
-__all__ = ["RewardFn", "RolloutResult", "encode_prompt", "generate_rollout", "rollout_metrics"]
-
-RewardFn = Callable[[Sample], "float | Awaitable[float]"]
+__all__ = [
+    "RewardFn",
+    "RolloutResult",
+    "encode_prompt",
+    "generate_rollout",
+    "grade",
+    "rollout_metrics",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,18 +51,12 @@ class RolloutResult:
         return [s for g in self.groups for s in g]
 
 
-def encode_prompt(tokenizer: Any, prompt: list[dict[str, str]] | str) -> list[int]:
-    """Token ids of a prompt: chat messages through the chat template, raw text as is."""
-    if isinstance(prompt, str):
-        return list(tokenizer(prompt, add_special_tokens=False).input_ids)
-    return list(
-        tokenizer.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    )
+async def grade(sample: Sample, reward_fn: RewardFn) -> None:
+    """Set ``sample.reward`` from ``reward_fn`` (sync or async).
 
-
-async def _grade(sample: Sample, reward_fn: RewardFn) -> None:
+    Raises:
+        ValueError: the reward is not a finite number.
+    """
     value = reward_fn(sample)
     if inspect.isawaitable(value):
         value = await value
@@ -63,38 +67,16 @@ async def _grade(sample: Sample, reward_fn: RewardFn) -> None:
 
 
 async def _run_one(
-    client: EngineClient,
-    tokenizer: Any,
+    generate_fn: GenerateFn,
+    ctx: GenerateContext,
     sample: Sample,
-    prompt_ids: list[int],
-    sampling_params: SamplingParams,
     reward_fn: RewardFn,
     semaphore: asyncio.Semaphore,
 ) -> Sample:
     async with semaphore:
-        out = await client.generate(prompt_ids, sampling_params, return_logprob=True)
-    ids = list(out.output_ids)
-    logprobs = list(out.output_logprobs or [])
-    if len(logprobs) != len(ids):
-        raise RuntimeError(
-            f"engine returned {len(ids)} tokens but {len(logprobs)} logprobs; the rollout needs "
-            "one logprob per generated token (return_logprob=True)"
-        )
-    sample.tokens = prompt_ids + ids
-    sample.response_length = len(ids)
-    sample.loss_mask = [1] * len(ids)
-    sample.rollout_logprobs = logprobs
-    sample.response = tokenizer.decode(ids, skip_special_tokens=True)
-    sample.weight_version = out.weight_version
-    kind = out.finish_reason.type
-    sample.metadata["finish_reason"] = kind
-    sample.status = {
-        "stop": SampleStatus.COMPLETED,
-        "length": SampleStatus.TRUNCATED,
-        "abort": SampleStatus.ABORTED,
-    }.get(kind, SampleStatus.FAILED)
+        sample = await generate_fn(ctx, sample)
     if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
-        await _grade(sample, reward_fn)
+        await grade(sample, reward_fn)
     return sample
 
 
@@ -107,6 +89,8 @@ async def generate_rollout(
     sampling_params: SamplingParams,
     reward_fn: RewardFn,
     max_concurrency: int = 256,
+    generate_fn: GenerateFn | None = None,
+    sessions_url: str | None = None,
 ) -> RolloutResult:
     """Generate and grade ``n_samples_per_prompt`` samples for each prompt.
 
@@ -117,7 +101,11 @@ async def generate_rollout(
         n_samples_per_prompt: group size (GRPO's G).
         sampling_params: engine sampling parameters shared by every request.
         reward_fn: ``reward_fn(sample) -> float`` (sync or async); called once per finished sample.
-        max_concurrency: bound on requests in flight.
+        max_concurrency: bound on samples in flight.
+        generate_fn: how a sample is generated (default: single-turn).
+        sessions_url: an existing TITO session server for ``needs_sessions`` generate
+            functions; by default one is started in this event loop for the rollout, in front
+            of ``client``.
 
     Returns:
         The groups, in prompt order, each with ``n_samples_per_prompt`` samples.
@@ -126,22 +114,38 @@ async def generate_rollout(
         raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    fn: GenerateFn = generate_fn if generate_fn is not None else single_turn_generate
     t0 = time.perf_counter()
-    semaphore = asyncio.Semaphore(max_concurrency)
-    groups: list[list[Sample]] = []
-    tasks = []
-    for gi, item in enumerate(items):
-        prompt_ids = encode_prompt(tokenizer, item.messages)
-        group = [
-            Sample(group_index=gi, index=i, prompt=item.messages, label=item.label)
-            for i in range(n_samples_per_prompt)
-        ]
-        groups.append(group)
-        tasks += [
-            _run_one(client, tokenizer, s, prompt_ids, sampling_params, reward_fn, semaphore)
-            for s in group
-        ]
-    await asyncio.gather(*tasks)
+    async with contextlib.AsyncExitStack() as stack:
+        if getattr(fn, "needs_sessions", False) and sessions_url is None:
+            from miles_rollout.session.server import start_sessions
+
+            server = await start_sessions(client, tokenizer=tokenizer)
+            stack.push_async_callback(server.close)
+            sessions_url = server.url
+        ctx = GenerateContext(
+            client=client,
+            tokenizer=tokenizer,
+            sampling_params=sampling_params,
+            sessions_url=sessions_url,
+        )
+        semaphore = asyncio.Semaphore(max_concurrency)
+        groups: list[list[Sample]] = []
+        tasks = []
+        for gi, item in enumerate(items):
+            group = [
+                Sample(
+                    group_index=gi,
+                    index=i,
+                    prompt=item.messages,
+                    label=item.label,
+                    metadata=dict(item.metadata),
+                )
+                for i in range(n_samples_per_prompt)
+            ]
+            groups.append(group)
+            tasks += [_run_one(fn, ctx, s, reward_fn, semaphore) for s in group]
+        await asyncio.gather(*tasks)
     return RolloutResult(groups=groups, seconds=time.perf_counter() - t0)
 
 
@@ -155,4 +159,5 @@ def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "response_len_mean": sum(lengths) / n,
         "truncated_frac": sum(s.status is SampleStatus.TRUNCATED for s in samples) / n,
         "aborted_frac": sum(s.status is SampleStatus.ABORTED for s in samples) / n,
+        "failed_frac": sum(s.status is SampleStatus.FAILED for s in samples) / n,
     }

@@ -39,13 +39,18 @@ class Sample:
         response: decoded response text.
         reward: scalar reward, ``None`` until graded.
         status: see ``SampleStatus``.
-        weight_version: engine weight version that generated the response.
+        weight_versions: per response token, the engine weight version that generated it;
+            ``None`` on tokens the model did not generate (tool output). A multi-turn sample
+            or a request in flight across a weight update holds several versions.
+        routed_experts: for MoE engines that report it (R3): an int32 array
+            ``[len(tokens) - 1, num_layers, top_k]`` of the experts each token was routed
+            to; else ``None``.
         metadata: free-form extras (finish reason, errors, timings).
     """
 
     group_index: int
     index: int
-    prompt: list[dict[str, str]] | str
+    prompt: list[dict[str, Any]] | str
     label: Any = None
     tokens: list[int] = field(default_factory=list)
     response_length: int = 0
@@ -54,8 +59,15 @@ class Sample:
     response: str = ""
     reward: float | None = None
     status: SampleStatus = SampleStatus.PENDING
-    weight_version: str | None = None
+    weight_versions: list[str | None] = field(default_factory=list)
+    routed_experts: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def weight_version(self) -> str | None:
+        """The newest weight version among the generated tokens (``None`` before any)."""
+        versions = [v for v in self.weight_versions if v is not None]
+        return max(versions, key=_version_key) if versions else None
 
     @property
     def prompt_length(self) -> int:
@@ -81,3 +93,13 @@ class Sample:
                 f"rollout_logprobs ({len(self.rollout_logprobs)}) must both have "
                 f"response_length ({n}) entries"
             )
+        if self.weight_versions and len(self.weight_versions) != n:
+            raise ValueError(
+                f"sample {self.group_index}/{self.index}: weight_versions "
+                f"({len(self.weight_versions)}) must have response_length ({n}) entries"
+            )
+
+
+def _version_key(version: str) -> tuple[int, int | str]:
+    # Versions are strings ("0", "1", ... from the loop); compare numerically when they are.
+    return (1, int(version)) if version.isdigit() else (0, version)

@@ -4,28 +4,20 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from miles.config import TaskSettings
-from miles_rollout import PromptItem, Sample
-from miles_rollout.tasks import ArithmeticTask
+from miles_rollout import Sample
+from miles_rollout.tasks import ArithmeticTask, GuessNumberTask
+from miles_rollout.types import PromptItem, Task  # the types live in miles-rollout now
 
-__all__ = ["Task", "load_callable", "make_reward_fn", "make_task"]
-
-
-class Task(Protocol):
-    """What the loop needs from a task."""
-
-    def sample(self, n: int) -> list[PromptItem]:
-        """The next ``n`` prompts."""
-        ...
-
-    def reward(self, response: str, label: Any) -> float:
-        """Grade one response."""
-        ...
+__all__ = ["PromptItem", "Task", "load_callable", "make_reward_fn", "make_task"]
 
 
-BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"arithmetic": ArithmeticTask}
+BUILTIN_TASKS: dict[str, Callable[..., Task]] = {
+    "arithmetic": ArithmeticTask,
+    "guess_number": GuessNumberTask,  # multi-turn: pair it with the agent guess_number.play
+}
 
 
 def load_callable(path: str) -> Callable[..., Any]:

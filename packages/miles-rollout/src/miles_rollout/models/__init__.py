@@ -7,5 +7,6 @@
 """
 
 from miles_rollout.models.gguf import cache_dir, convert_gguf, smollm2_dir, smollm2_gguf_path
+from miles_rollout.models.qwen import qwen3_tokenizer_dir
 
-__all__ = ["cache_dir", "convert_gguf", "smollm2_dir", "smollm2_gguf_path"]
+__all__ = ["cache_dir", "convert_gguf", "qwen3_tokenizer_dir", "smollm2_dir", "smollm2_gguf_path"]

@@ -12,13 +12,20 @@ mask of 1 exactly on generated tokens.
 
 from miles_rollout.session.families import FAMILIES, TemplateFamily, detect_family
 from miles_rollout.session.render import TitoRenderer
-from miles_rollout.session.server import SessionServerHandle, build_session_app, serve_sessions
+from miles_rollout.session.server import (
+    SessionServer,
+    SessionServerHandle,
+    build_session_app,
+    serve_sessions,
+    start_sessions,
+)
 from miles_rollout.session.tool_parsers import ParsedMessage, ToolCall, parse_tool_calls
 from miles_rollout.session.trajectory import Trajectory, TurnPlan, decode_routed_experts
 
 __all__ = [
     "FAMILIES",
     "ParsedMessage",
+    "SessionServer",
     "SessionServerHandle",
     "TemplateFamily",
     "TitoRenderer",
@@ -30,4 +37,5 @@ __all__ = [
     "detect_family",
     "parse_tool_calls",
     "serve_sessions",
+    "start_sessions",
 ]

@@ -4,7 +4,8 @@ Requests are validated field by field (a ``ValueError`` naming the field becomes
 messages handed to the chat template are clean copies (text content, tool calls with their
 function name and arguments). Fields that would change the result if ignored (``n > 1``,
 ``stream``, penalties, ``logit_bias``, a non-text ``response_format``) are refused rather than
-dropped; bookkeeping fields (``user``, ``metadata``, ``store``, ...) are ignored.
+dropped; bookkeeping fields (``user``, ``metadata``, ``store``, ...) are ignored. ``top_k`` and
+``min_p`` are accepted as extensions (as SGLang's and vLLM's OpenAI servers do).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class ChatRequest:
     tool_choice: str | dict[str, Any] | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
@@ -215,6 +218,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise ValueError("stop must be a non-empty string or a list of them")
+    top_k = body.get("top_k", -1)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or (top_k < 1 and top_k != -1):
+        raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {top_k!r}")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
@@ -234,6 +240,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tool_choice=choice,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=top_k,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         max_tokens=max_tokens,
         stop=stops,
         seed=seed,

@@ -39,7 +39,13 @@ from miles_rollout.session.render import TitoRenderer
 from miles_rollout.session.tool_parsers import ParsedMessage, parse_tool_calls
 from miles_rollout.session.trajectory import Trajectory
 
-__all__ = ["SessionServerHandle", "build_session_app", "serve_sessions"]
+__all__ = [
+    "SessionServer",
+    "SessionServerHandle",
+    "build_session_app",
+    "serve_sessions",
+    "start_sessions",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +209,8 @@ class _Routes:
         params = SamplingParams(
             temperature=req.temperature,
             top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
             max_new_tokens=max_new,
             stop=req.stop,
             seed=req.seed,
@@ -308,19 +316,93 @@ def build_session_app(
     return app
 
 
-class SessionServerHandle:
-    """A running session server: ``url``, ``host``, ``port``, :meth:`session_url`, :meth:`close`."""
+def _renderer(
+    tokenizer: Any,
+    model_path: str | Path | None,
+    template_family: str | None,
+    template_kwargs: dict[str, Any] | None,
+) -> TitoRenderer:
+    if tokenizer is None:
+        if model_path is None:
+            raise ValueError("pass model_path (the tokenizer's directory) or tokenizer")
+        from transformers import AutoTokenizer
 
-    def __init__(self, host: str, port: int, stop: Callable[[], None]) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    return TitoRenderer(tokenizer, template_family, template_kwargs=template_kwargs)
+
+
+class SessionServer:
+    """A session server running in the caller's event loop (see :func:`start_sessions`)."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, client: Any) -> None:
+        self._runner: web.AppRunner | None = runner
+        self._client = client  # closed with the server when it was made from a URL
         self.host = host
         self.port = port
         self.url = f"http://{host}:{port}"
+
+    def session_url(self, session_id: str) -> str:
+        """The OpenAI base URL of one session (``.../sessions/{id}/v1``)."""
+        return f"{self.url}/sessions/{session_id}/v1"
+
+    async def close(self) -> None:
+        """Stop serving (idempotent); an engine client passed in stays open."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+            if self._client is not None:
+                await self._client.close()
+
+
+async def start_sessions(
+    engine: str | EngineClient,
+    model_path: str | Path | None = None,
+    *,
+    tokenizer: Any = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    template_family: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    engine_timeout_s: float = 600.0,
+    context_length: int | None = None,
+    model_name: str | None = None,
+) -> SessionServer:
+    """Start a session server in the running event loop; ``await server.close()`` to stop.
+
+    For rollouts whose agents run in the same loop (``generate_rollout`` uses it). Arguments
+    as :func:`serve_sessions`; pass a loaded ``tokenizer`` (loading one would block the loop).
+    """
+    renderer = _renderer(tokenizer, model_path, template_family, template_kwargs)
+    name = model_name or (Path(model_path).name if model_path is not None else "miles")
+    client = SGLangClient(engine, timeout=engine_timeout_s) if isinstance(engine, str) else engine
+    app = build_session_app(client, renderer, model_name=name, context_length=context_length)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    sock = socket.create_server((host, port))
+    try:
+        await web.SockSite(runner, sock).start()
+    except BaseException:
+        sock.close()
+        await runner.cleanup()
+        raise
+    own = client if isinstance(engine, str) else None
+    return SessionServer(runner, host, sock.getsockname()[1], own)
+
+
+class SessionServerHandle:
+    """A session server on its own thread: ``url``, :meth:`session_url`, :meth:`close`."""
+
+    def __init__(self, server: SessionServer, stop: Callable[[], None]) -> None:
+        self.host = server.host
+        self.port = server.port
+        self.url = server.url
+        self._server = server
         self._stop = stop
         self._closed = False
 
     def session_url(self, session_id: str) -> str:
         """The OpenAI base URL of one session (``.../sessions/{id}/v1``)."""
-        return f"{self.url}/sessions/{session_id}/v1"
+        return self._server.session_url(session_id)
 
     def close(self) -> None:
         """Stop serving and close the engine client it made (an engine passed in stays)."""
@@ -352,7 +434,8 @@ def serve_sessions(
 
     Args:
         engine: the engine's base URL (an SGLang server, a router, ``miles_rollout.serve``),
-            or any :class:`~miles_rollout.EngineClient` (e.g. ``LocalEngineClient(engine)``).
+            or any :class:`~miles_rollout.EngineClient` usable from another thread's event
+            loop (``LocalEngineClient(engine)`` is).
         model_path: the directory of the policy's tokenizer and chat template.
         tokenizer: an already loaded HF tokenizer instead of ``model_path``.
         host: the address to bind (loopback by default).
@@ -365,62 +448,49 @@ def serve_sessions(
 
     Raises:
         ValueError: no tokenizer, no chat template, or a family that does not fit it.
+        OSError: the address cannot be bound.
     """
-    if tokenizer is None:
-        if model_path is None:
-            raise ValueError("pass model_path (the tokenizer's directory) or tokenizer")
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    renderer = TitoRenderer(tokenizer, template_family, template_kwargs=template_kwargs)
-    name = model_name or (Path(model_path).name if model_path is not None else "miles")
-    sock = socket.create_server((host, port))
-    bound_port = sock.getsockname()[1]
+    renderer = _renderer(tokenizer, model_path, template_family, template_kwargs)
     loop = asyncio.new_event_loop()
-    own_client = isinstance(engine, str)
     started = threading.Event()
-    failure: list[BaseException] = []
-    state: dict[str, Any] = {}
-
-    async def setup() -> None:
-        # The HTTP client must be made inside the loop that uses it.
-        client = (
-            SGLangClient(engine, timeout=engine_timeout_s) if isinstance(engine, str) else engine
-        )
-        state["client"] = client
-        app = build_session_app(client, renderer, model_name=name, context_length=context_length)
-        runner = web.AppRunner(app, handle_signals=False)
-        await runner.setup()
-        await web.SockSite(runner, sock).start()
-        state["runner"] = runner
-
-    async def cleanup() -> None:
-        await state["runner"].cleanup()
-        if own_client:
-            await state["client"].close()
+    result: list[Any] = []
 
     def run() -> None:
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(setup())
+            server = loop.run_until_complete(
+                start_sessions(
+                    engine,
+                    model_path,
+                    tokenizer=renderer.tokenizer,
+                    host=host,
+                    port=port,
+                    template_family=renderer.family.name,
+                    template_kwargs=template_kwargs,
+                    engine_timeout_s=engine_timeout_s,
+                    context_length=context_length,
+                    model_name=model_name,
+                )
+            )
         except BaseException as exc:
-            failure.append(exc)
+            result.append(exc)
             started.set()
+            loop.close()
             return
+        result.append(server)
         started.set()
         loop.run_forever()
-        loop.run_until_complete(cleanup())
+        loop.run_until_complete(server.close())
         loop.close()
 
-    thread = threading.Thread(target=run, name=f"miles-sessions-{bound_port}", daemon=True)
+    thread = threading.Thread(target=run, name="miles-sessions", daemon=True)
     thread.start()
     started.wait()
-    if failure:
-        sock.close()
-        raise failure[0]
+    if isinstance(result[0], BaseException):
+        raise result[0]
 
     def stop() -> None:
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
 
-    return SessionServerHandle(host, bound_port, stop)
+    return SessionServerHandle(result[0], stop)

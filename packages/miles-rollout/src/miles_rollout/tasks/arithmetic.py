@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_rollout.types import PromptItem
+
 __all__ = ["ArithmeticTask", "PromptItem"]
 
 _OPS: dict[str, Callable[[int, int], int]] = {
@@ -22,15 +24,6 @@ _OPS: dict[str, Callable[[int, int], int]] = {
     "*": operator.mul,
 }
 _INT_RE = re.compile(r"-?\d+")
-
-
-@dataclass(kw_only=True, slots=True)
-class PromptItem:
-    """One prompt: chat messages plus whatever the reward needs to grade a response."""
-
-    messages: list[dict[str, str]]
-    label: Any
-    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)
