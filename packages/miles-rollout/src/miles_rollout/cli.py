@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     from miles_rollout.fleet.cli import add_parser as add_fleet_parser
 
     add_fleet_parser(sub)
+    from miles_rollout.models.cli import add_parser as add_convert_parser
+    from miles_rollout.session.cli import add_parser as add_sessions_parser
+
+    add_sessions_parser(sub)
+    add_convert_parser(sub)
     return parser
 
 
@@ -51,6 +56,14 @@ def main(argv: list[str] | None = None, *, stop: threading.Event | None = None) 
         return run_fleet(args, extra, stop=stop)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "sessions":
+        from miles_rollout.session.cli import run as run_sessions
+
+        return run_sessions(args, stop=stop)
+    if args.command == "convert-gguf":
+        from miles_rollout.models.cli import run as run_convert
+
+        return run_convert(args)
     from miles_rollout.config import EngineConfig
     from miles_rollout.server import serve
 
