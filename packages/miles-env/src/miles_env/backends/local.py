@@ -107,6 +107,7 @@ class LocalSandbox(Sandbox):
         sandbox_id: str,
         *,
         holder: asyncio.subprocess.Process,
+        pidfds: tuple[int, int],
         ns_fds: dict[str, int],
         cgroups: SandboxCgroups | None,
         host_uid: int,
@@ -114,6 +115,7 @@ class LocalSandbox(Sandbox):
     ) -> None:
         super().__init__(spec, sandbox_id)
         self._holder = holder
+        self._pidfds = pidfds  # (bwrap outside, the sandbox's PID 1)
         self._ns_fds = ns_fds
         self._cg = cgroups
         self.host_uid = host_uid
@@ -166,6 +168,7 @@ class LocalSandbox(Sandbox):
             )
         info_r, info_w = os.pipe()
         proc = None
+        pidfds: tuple[int, ...] = ()
         try:
             argv = [
                 *_join_cgroups(cg.procs_files() if cg else [], holder=True),
@@ -202,12 +205,18 @@ class LocalSandbox(Sandbox):
                 await proc.wait()
                 raise RuntimeError(f"local sandbox failed to start: {err or 'no reason given'}")
             child = int(json.loads(raw)["child-pid"])
+            # pidfds: signals reach these processes and no other, even once their pids are
+            # free for reuse. bwrap (our child) is not reaped yet; its child (the sandbox's
+            # PID 1) is alive while bwrap is, and bwrap waits for it.
+            pidfds = (os.pidfd_open(proc.pid), os.pidfd_open(child))
             ns_fds = await asyncio.wait_for(_open_namespaces(child), start_timeout_s)
         except BaseException:
             if proc is not None and proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
+            for fd in pidfds:
+                os.close(fd)
             if cg is not None:
                 await asyncio.to_thread(cg.remove)
             raise
@@ -219,6 +228,7 @@ class LocalSandbox(Sandbox):
             spec,
             sandbox_id,
             holder=proc,
+            pidfds=(pidfds[0], pidfds[1]),
             ns_fds=ns_fds,
             cgroups=cg,
             host_uid=host_uid,
@@ -401,25 +411,53 @@ class LocalSandbox(Sandbox):
     # -- closing -----------------------------------------------------------------------------
 
     async def _close(self) -> None:
-        await asyncio.to_thread(self._close_sync)
-        with contextlib.suppress(ProcessLookupError):
+        # The sandbox's PID 1 first: the kernel kills everything in its PID namespace and
+        # bwrap, its parent, reaps it and exits (killing bwrap first would leave PID 1 a
+        # zombie for the host's init to reap).
+        _pidfd_kill(self._pidfds[1])
+        try:
+            await asyncio.wait_for(self._holder.wait(), 10)
+        except asyncio.TimeoutError:
+            _pidfd_kill(self._pidfds[0])
             await self._holder.wait()
+        await asyncio.to_thread(self._release)
 
     def _close_sync(self) -> None:
-        # Killing the holder ends the sandbox's PID namespace: the kernel kills everything in
-        # it. The cgroup kill also takes the host-side nsenter processes of running commands.
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self._holder.pid, signal.SIGKILL)
+        _pidfd_kill(self._pidfds[1])
+        end = time.monotonic() + 10
+        while _running(self._holder.pid) and time.monotonic() < end:
+            time.sleep(0.002)
+        _pidfd_kill(self._pidfds[0])
+        self._release()
+
+    def _release(self) -> None:
+        # The cgroup kill also takes the host-side nsenter processes of running commands.
         if self._cg is not None:
             self._cg.remove()
         for c in list(self._lingering):
             with contextlib.suppress(Exception):
                 c.close()
         self._lingering.clear()
-        for fd in self._ns_fds.values():
+        for fd in [*self._ns_fds.values(), *self._pidfds]:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._ns_fds = {}
+        self._pidfds = (-1, -1)
+
+
+def _pidfd_kill(pidfd: int) -> None:
+    if pidfd >= 0:
+        with contextlib.suppress(ProcessLookupError, OSError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie bwrap has exited; its parent reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 class _Capture:
@@ -502,7 +540,10 @@ def _join_cgroups(procs_files: list[str], *, holder: bool) -> list[str]:
 
 def _prlimit(spec: SandboxSpec, cg: SandboxCgroups | None) -> list[str]:
     disk = spec.disk_mb * 1024 * 1024
-    args = ["prlimit", f"--nproc={spec.pids}", f"--fsize={disk}", "--core=0"]
+    # The pids cgroup is the limit; RLIMIT_NPROC (processes of the sandbox's uid) the backstop,
+    # a little above it so that the cgroup is what a fork bomb meets where it exists.
+    nproc = spec.pids if cg is None or cg.enforced.get("pids") is None else spec.pids + 16
+    args = ["prlimit", f"--nproc={nproc}", f"--fsize={disk}", "--core=0"]
     if cg is None or cg.enforced.get("memory") is None:
         # No memory cgroup: cap each process's address space instead (breaks programs that
         # reserve much more than they use, hence only as the fallback).
