@@ -1,0 +1,199 @@
+"""What megatron-core needs to train on a machine without CUDA (gloo process groups, CPU tensors).
+
+megatron-core is written for CUDA: a few of its helpers allocate on ``torch.cuda.current_device()``
+or ``device="cuda"`` unconditionally, and its training glue (gradient buffers, the distributed
+optimizer, gradient clipping, the pipeline schedules) checks ``param.type()`` against
+``"torch.cuda.FloatTensor"``. None of it needs a GPU to compute. This module bends exactly those
+spots, and only when CUDA is absent (`install` is not called on a GPU machine; `cpu_scope` is a
+no-op there), so the GPU path runs megatron-core unchanged:
+
+- the global memory buffer (attention scores, sequence-parallel gathers) allocates on the CPU;
+- the CUDA RNG tracker is megatron's own inference tracker, whose ``fork`` is a no-op context
+  (dropout is off in RL training, and initialisation is replaced by the HF weights);
+- `RotaryEmbedding.get_emb` keeps its frequencies on the CPU instead of moving them to CUDA;
+- `cpu_scope` (entered around megatron's DDP, optimizer and schedule calls, not around the
+  model's own forward) maps ``torch.cuda.current_device()`` and ``device="cuda"`` factory
+  arguments to the CPU, makes ``Tensor.cuda()`` the identity and reports float tensors'
+  ``type()`` under their CUDA names, which is what those type checks compare against.
+
+`define_missing_te_names` is not about CUDA: megatron-core 0.16.1's MoE router reads the
+module global ``te_general_gemm``, which its ``moe_utils`` defines only when Transformer Engine
+imports, so without TE every MoE forward raised ``NameError``; it is defined as None there
+(the router's own fallback), on any device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+try:  # every module of the backend imports this one first: one clear message
+    import megatron.core  # noqa: F401
+except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "the Megatron backend needs megatron-core: pip install 'miles-trainer[megatron]'"
+    ) from exc
+
+__all__ = [
+    "cpu_scope",
+    "define_missing_te_names",
+    "install",
+    "needs_cpu_compat",
+    "outside_cpu_scope",
+    "quiet_megatron",
+]
+
+_CPU = torch.device("cpu")
+_lock = threading.Lock()
+_installed = False
+
+
+def needs_cpu_compat() -> bool:
+    """True where megatron-core must run without CUDA."""
+    return not torch.cuda.is_available()
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Redirect CUDA placements made by megatron's glue code to the CPU."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name: str = func(*args)
+            # megatron checks float params against "torch.cuda.FloatTensor" and friends.
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def quiet_megatron() -> Iterator[None]:
+    """Silence the warnings megatron-core's training glue raises on every step in torch 2.13
+    (deprecated collective names; ``.grad`` read on the distributed optimizer's shard views),
+    on any device; they say nothing about this run."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use .*_single")
+        warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not")
+        yield
+
+
+def _cpu_current_device() -> torch.device:
+    return _CPU
+
+
+@contextlib.contextmanager
+def cpu_scope() -> Iterator[None]:
+    """Run megatron-core glue (DDP, optimizer, schedules) on the CPU; a no-op with CUDA."""
+    if not needs_cpu_compat():
+        yield
+        return
+    original = torch.cuda.current_device
+    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+    try:
+        with _CudaToCpu():
+            yield
+    finally:
+        torch.cuda.current_device = original
+
+
+@contextlib.contextmanager
+def outside_cpu_scope() -> Iterator[None]:
+    """Suspend `cpu_scope`'s torch-function mode (the model's forward does not need it and
+    would pay a Python call per op); a no-op with CUDA or outside the scope."""
+    if not needs_cpu_compat():
+        yield
+        return
+    from torch.overrides import _get_current_function_mode_stack
+
+    modes = _get_current_function_mode_stack()
+    if not any(isinstance(m, _CudaToCpu) for m in modes):
+        yield
+        return
+    with torch._C.DisableTorchFunction():
+        yield
+
+
+class _CpuMemoryBuffer:
+    """megatron's `GlobalMemoryBuffer` with its tensors on the CPU (same reuse rule)."""
+
+    def __init__(self) -> None:
+        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get_tensor(
+        self,
+        tensor_shape: Any,
+        dtype: torch.dtype,
+        name: str,
+        mem_alloc_context: Callable[[], Any] | None = None,
+    ) -> torch.Tensor:
+        n = math.prod(tensor_shape)
+        buf = self.buffer.get((name, dtype))
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=dtype, device=_CPU)
+            self.buffer[(name, dtype)] = buf
+        return buf[:n].view(*tensor_shape)
+
+
+def define_missing_te_names() -> None:
+    """Give megatron's MoE utilities the ``te_general_gemm = None`` they expect without TE."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def install() -> None:
+    """Apply the CPU adaptations (see the module docstring). Call after
+    ``parallel_state.initialize_model_parallel``; idempotent; a no-op with CUDA."""
+    global _installed
+    if not needs_cpu_compat():
+        return
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    with _lock:
+        if _installed:
+            return
+        original = RotaryEmbedding.get_emb
+
+        @functools.wraps(original)
+        def get_emb(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            saved = torch.cuda.current_device
+            torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+            try:
+                out: torch.Tensor = original(self, *args, **kwargs)
+                return out
+            finally:
+                torch.cuda.current_device = saved
+
+        RotaryEmbedding.get_emb = get_emb
+        _installed = True
