@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from miles_trainer.fsdp.config import FSDPConfig
+from miles_trainer.megatron.config import MegatronConfig
 
 if TYPE_CHECKING:
     import torch
@@ -245,6 +246,7 @@ class TrainerConfig:
         qat: INT4 quantization-aware training of the policy (not the reference model); None
             trains in plain precision. Needs miles-quant (``pip install 'miles-trainer[quant]'``).
         fsdp: settings only the FSDP2 backend reads.
+        megatron: settings only the Megatron backend reads (TP / PP / EP layout, ...).
         backend: "fsdp" (`FSDPTrainer`: PyTorch FSDP2) or "megatron" (`MegatronTrainer`:
             megatron-core). Both take the same `TrainBatch` and use the same loss hub.
     """
@@ -265,6 +267,7 @@ class TrainerConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     qat: QATConfig | None = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     backend: str = "fsdp"
 
     def __post_init__(self) -> None:
