@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from miles_trainer import FSDPTrainer, LossConfig, TrainBatch, TrainerConfig
+from miles_trainer import FSDPTrainer, LossConfig, MismatchConfig, TrainBatch, TrainerConfig
 
 VOCAB = 61
 
@@ -96,7 +96,10 @@ def scenario_config(model_dir: str, dtype: str = "float32") -> TrainerConfig:
         micro_batch_size=1,
         num_minibatches=2,
         loss=LossConfig(
-            loss_agg="seq-mean-token-mean", kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0
+            loss_agg="seq-mean-token-mean",
+            kl_coef=0.05,
+            entropy_coef=0.01,
+            mismatch=MismatchConfig(upper=2.0),
         ),
     )
 

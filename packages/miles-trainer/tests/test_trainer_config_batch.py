@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from miles_trainer import FSDPTrainer, LossConfig, TrainBatch, Trainer, TrainerConfig
+from miles_trainer import (
+    FSDPTrainer,
+    LossConfig,
+    MismatchConfig,
+    TrainBatch,
+    Trainer,
+    TrainerConfig,
+)
 
 
 @pytest.mark.parametrize(
@@ -20,7 +27,10 @@ from miles_trainer import FSDPTrainer, LossConfig, TrainBatch, Trainer, TrainerC
         ({"kl_type": "k4"}, "kl_type"),
         ({"entropy_coef": -0.01}, "entropy_coef"),
         ({"loss_agg": "seq-sum"}, "loss_agg"),
-        ({"tis_cap": 0.0}, "tis_cap"),
+        ({"name": "grpo"}, "name must be one of"),
+        ({"dual_clip": 1.0}, "dual_clip"),
+        ({"norm_length": 0}, "norm_length"),
+        ({"mismatch": MismatchConfig(), "use_rollout_logprobs": True}, "needs use_rollout_"),
     ],
 )
 def test_loss_config_rejects(kwargs: dict[str, Any], match: str) -> None:
@@ -60,7 +70,8 @@ def test_defaults_are_the_documented_ones() -> None:
     )
     assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.kl_type) == (0.2, 0.28, "k3")
     assert cfg.loss.loss_agg == "token-mean"
-    assert cfg.loss.tis_cap is None
+    assert cfg.loss.mismatch is None
+    assert (cfg.loss.name, cfg.advantage.estimator, cfg.backend) == ("ppo", "grpo", "fsdp")
 
 
 def _good() -> dict[str, Any]:

@@ -33,7 +33,7 @@ import math
 import pytest
 import torch
 
-from miles_trainer import LossConfig, kl_estimate, policy_loss
+from miles_trainer import LossConfig, MismatchConfig, kl_estimate, policy_loss
 
 RATIOS = [[1.5, 0.7, 1.0], [0.5, 1.2, 1.3]]
 OLD = [[-1.0, -2.0, -0.5], [-1.5, -0.3, -2.0]]
@@ -125,9 +125,13 @@ def test_truncated_importance_sampling_by_hand() -> None:
     x = _inputs()
     w = torch.tensor([[2.0, 0.5, 1.0], [3.0, 1.0, 1.0]], dtype=torch.float64)
     rollout = x["old"] - w.log()
-    cfg = LossConfig(tis_cap=1.5)
-    loss, _ = policy_loss(x["logp"], x["old"], x["adv"], x["mask"], cfg, rollout_logp_BT=rollout)
+    cfg = LossConfig(mismatch=MismatchConfig(level="token", mode="truncate", upper=1.5))
+    loss, m = policy_loss(x["logp"], x["old"], x["adv"], x["mask"], cfg, rollout_logp_BT=rollout)
     assert loss.item() == pytest.approx(0.306, abs=1e-9)
+    # applied weights [1.5, .5, 1; 1.5, 1] -> mean 5.5 / 5; raw 3 and 0.5; 2 of 5 truncated
+    assert m["is_weight_mean"].item() == pytest.approx(1.1)
+    assert (m["is_weight_max"].item(), m["is_weight_min"].item()) == pytest.approx((3.0, 0.5))
+    assert m["is_clip_frac"].item() == pytest.approx(0.4)
 
 
 @pytest.mark.parametrize("loss_agg", MODES)
@@ -176,6 +180,6 @@ def test_missing_inputs_and_bad_shapes_raise() -> None:
     with pytest.raises(ValueError, match="entropy_BT"):
         policy_loss(*base, LossConfig(entropy_coef=0.1))
     with pytest.raises(ValueError, match="rollout_logp_BT"):
-        policy_loss(*base, LossConfig(tis_cap=2.0))
+        policy_loss(*base, LossConfig(mismatch=MismatchConfig()))
     with pytest.raises(ValueError, match="advantages_BT has shape"):
         policy_loss(x["logp"], x["old"], x["adv"][:, :2], x["mask"], LossConfig())

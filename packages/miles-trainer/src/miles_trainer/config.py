@@ -13,7 +13,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from miles_trainer.advantages import AdvantageConfig
 from miles_trainer.fsdp.config import FSDPConfig
+from miles_trainer.losses import LossConfig
 from miles_trainer.megatron.config import MegatronConfig
 
 if TYPE_CHECKING:
@@ -24,77 +26,23 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKENDS",
     "DTYPES",
-    "KL_TYPES",
-    "LOSS_AGG_MODES",
+    "NONFINITE_POLICIES",
     "OFFLOAD_MODES",
+    "REF_PLACEMENTS",
+    "AdvantageConfig",
+    "CriticConfig",
     "LossConfig",
     "OffloadConfig",
     "QATConfig",
+    "ReferenceConfig",
     "TrainerConfig",
 ]
 
-KL_TYPES = ("k1", "k2", "k3")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 DTYPES = ("float32", "bfloat16", "float16")
 OFFLOAD_MODES = ("none", "cpu", "nvme")
 BACKENDS = ("fsdp", "megatron")
-
-
-@dataclass(kw_only=True, slots=True)
-class LossConfig:
-    """The clipped policy-gradient loss with optional KL, entropy and IS-correction terms.
-
-    The formulas are in `policy_loss` and in the package README.
-
-    Attributes:
-        clip_low: lower PPO clip: the ratio is clipped below at ``1 - clip_low``. In [0, 1).
-        clip_high: upper PPO clip: the ratio is clipped above at ``1 + clip_high``. A value
-            above ``clip_low`` is DAPO's "clip-higher" (asymmetric clip). >= 0.
-        kl_coef: weight of the KL(pi || ref) penalty added to the loss; 0 disables it (and the
-            reference model). >= 0.
-        kl_type: which Schulman estimator of KL(pi || ref) to use per token, with
-            ``d = logp - ref_logp``: "k1" = d, "k2" = d^2 / 2, "k3" = exp(-d) - 1 + d.
-        entropy_coef: weight of the entropy bonus (subtracted from the loss). >= 0.
-        loss_agg: how per-token terms become one number: "token-mean" (mean over all loss
-            tokens of the global batch), "seq-mean-token-sum" (sum over a sequence's tokens,
-            mean over sequences) or "seq-mean-token-mean" (mean over a sequence's tokens, then
-            mean over sequences).
-        use_rollout_logprobs: if True the "old" (behaviour) logprobs of the PPO ratio are the
-            rollout engine's logprobs; if False they come from a no-grad forward pass of the
-            current policy before the update.
-        tis_cap: if set, every token's policy-gradient term is multiplied by the detached
-            truncated importance weight ``min(exp(old_logp - rollout_logp), tis_cap)``, which
-            corrects for the rollout/training numerical mismatch. None disables it. > 0.
-    """
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    kl_coef: float = 0.0
-    kl_type: str = "k3"
-    entropy_coef: float = 0.0
-    loss_agg: str = "token-mean"
-    use_rollout_logprobs: bool = False
-    tis_cap: float | None = None
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"LossConfig.clip_low must be in [0, 1), got {self.clip_low}")
-        if not (self.clip_high >= 0.0 and math.isfinite(self.clip_high)):
-            raise ValueError(f"LossConfig.clip_high must be finite and >= 0, got {self.clip_high}")
-        if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
-            raise ValueError(f"LossConfig.kl_coef must be finite and >= 0, got {self.kl_coef}")
-        if self.kl_type not in KL_TYPES:
-            raise ValueError(f"LossConfig.kl_type must be one of {KL_TYPES}, got {self.kl_type!r}")
-        if not (self.entropy_coef >= 0.0 and math.isfinite(self.entropy_coef)):
-            raise ValueError(
-                f"LossConfig.entropy_coef must be finite and >= 0, got {self.entropy_coef}"
-            )
-        if self.loss_agg not in LOSS_AGG_MODES:
-            raise ValueError(
-                f"LossConfig.loss_agg must be one of {LOSS_AGG_MODES}, got {self.loss_agg!r}"
-            )
-        if self.tis_cap is not None and not self.tis_cap > 0.0:
-            raise ValueError(f"LossConfig.tis_cap must be None or > 0, got {self.tis_cap}")
+REF_PLACEMENTS = ("device", "cpu")
+NONFINITE_POLICIES = ("skip", "stop")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -219,6 +167,67 @@ class OffloadConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ReferenceConfig:
+    """The frozen reference model of the KL term (loaded only when ``loss.kl_coef > 0``).
+
+    It has no ``build()``: each backend loads it in its own layout, beside the policy.
+
+    Attributes:
+        path: reference model directory; None means the policy's ``model_path``.
+        placement: "device" (the policy's layout: sharded over the ranks with FSDP2, on the
+            accelerator) or "cpu" (a full copy in host memory on every rank, its forward on
+            the CPU: no accelerator memory, at the cost of CPU compute).
+    """
+
+    path: str | None = None
+    placement: str = "device"
+
+    def __post_init__(self) -> None:
+        if self.placement not in REF_PLACEMENTS:
+            raise ValueError(
+                f"ReferenceConfig.placement must be one of {REF_PLACEMENTS}, got {self.placement!r}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticConfig:
+    """PPO's critic: a value head on a transformer backbone, trained beside the policy.
+
+    The critic is the backbone of ``model_path`` (the causal LM without its LM head) plus a
+    linear head to one value, initialised to zero. Its value for response token ``t`` is read
+    at the position that predicts ``t`` (the state before the token). Needed by
+    ``advantage.estimator: gae``.
+
+    Attributes:
+        model_path: backbone directory; None means the policy's ``model_path``.
+        lr: the critic's AdamW learning rate (other AdamW settings are the policy's). >= 0.
+        value_clip: clip of the value update in the loss (`value_loss`); None disables it. > 0.
+        grad_clip: the critic's gradient 2-norm clip; None disables it. > 0.
+    """
+
+    model_path: str | None = None
+    lr: float = 1e-5
+    value_clip: float | None = 0.2
+    grad_clip: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.lr >= 0.0 and math.isfinite(self.lr)):
+            raise ValueError(f"CriticConfig.lr must be finite and >= 0, got {self.lr}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ValueError(f"CriticConfig.value_clip must be None or > 0, got {self.value_clip}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"CriticConfig.grad_clip must be None or > 0, got {self.grad_clip}")
+
+    def build(self, policy_model_path: str, *, attn_implementation: str = "sdpa") -> Any:
+        """The critic module (`miles_trainer.critic.ValueModel`), float32, on the CPU."""
+        from miles_trainer.critic import ValueModel
+
+        path = self.model_path or policy_model_path
+        what = "trainer.critic.model_path" if self.model_path else "model_path"
+        return ValueModel.from_pretrained(path, what, attn_implementation=attn_implementation)
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     """Everything a trainer needs; ``backend`` picks which one `build` makes.
 
@@ -234,14 +243,26 @@ class TrainerConfig:
         grad_clip: clip the global gradient 2-norm to this value before each optimizer step;
             None disables clipping (the norm is still reported). > 0.
         micro_batch_size: samples per forward/backward pass on one rank. >= 1.
+        max_tokens_per_microbatch: if set, micro-batches are cut by a token budget instead of
+            ``micro_batch_size``: samples are added while the micro-batch's tokens (with
+            ``packing``: the sum of the sample lengths; without: samples x the longest) stay
+            within it; a longer sample goes alone. >= 1.
+        packing: run each micro-batch as one packed row (the samples back to back, positions
+            restarting per sample, attention kept within each sample) instead of right-padded
+            rows: no compute on padding. Same loss and gradients as padded within fp32
+            rounding.
         num_minibatches: optimizer steps per `train_step`; the batch is split into this many
             contiguous mini-batches. >= 1.
         temperature: logits are divided by it before log-softmax, matching the rollout
             logprob contract (a greedy rollout, temperature 0, is scored at 1.0). > 0.
         loss: the RL loss.
+        advantage: how rewards become advantages (computed by the trainer).
+        critic: PPO's value model; required by ``advantage.estimator: gae``, else None.
+        reference: the reference model of the KL term.
+        on_nonfinite: what a non-finite loss or gradient norm does: "skip" (that optimizer
+            step is skipped, the weights and optimizer state stay as they were, and
+            ``skipped_steps`` counts it) or "stop" (raise `NonFiniteError`, weights untouched).
         seed: torch RNG seed set at construction.
-        ref_model_path: reference model directory for the KL term; None means ``model_path``.
-            Only loaded when ``loss.kl_coef > 0``.
         offload: where the optimizer state lives (`OffloadConfig`).
         qat: INT4 quantization-aware training of the policy (not the reference model); None
             trains in plain precision. Needs miles-quant (``pip install 'miles-trainer[quant]'``).
@@ -259,11 +280,16 @@ class TrainerConfig:
     eps: float = 1e-8
     grad_clip: float | None = 1.0
     micro_batch_size: int = 8
+    max_tokens_per_microbatch: int | None = None
+    packing: bool = False
     num_minibatches: int = 1
     temperature: float = 1.0
     loss: LossConfig = field(default_factory=LossConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    critic: CriticConfig | None = None
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    on_nonfinite: str = "skip"
     seed: int = 0
-    ref_model_path: str | None = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     qat: QATConfig | None = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -293,9 +319,30 @@ class TrainerConfig:
             raise ValueError(
                 f"TrainerConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}"
             )
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ValueError(
+                f"TrainerConfig.max_tokens_per_microbatch must be None or >= 1, got "
+                f"{self.max_tokens_per_microbatch}"
+            )
         if self.num_minibatches < 1:
             raise ValueError(
                 f"TrainerConfig.num_minibatches must be >= 1, got {self.num_minibatches}"
+            )
+        if self.advantage.needs_values and self.critic is None:
+            raise ValueError(
+                'TrainerConfig.advantage.estimator "gae" needs a critic: set trainer.critic '
+                "(e.g. critic: {lr: 1e-5})"
+            )
+        if self.critic is not None and not self.advantage.needs_values:
+            raise ValueError(
+                f"TrainerConfig.critic is set but advantage.estimator is "
+                f"{self.advantage.estimator!r}, which does not use values: set estimator: gae "
+                "or remove the critic"
+            )
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"TrainerConfig.on_nonfinite must be one of {NONFINITE_POLICIES}, got "
+                f"{self.on_nonfinite!r}"
             )
         if not (self.temperature > 0.0 and math.isfinite(self.temperature)):
             raise ValueError(

@@ -18,7 +18,7 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and optionally entropies) of response tokens from a causal LM's logits.
 
-    For the token predicted at position ``p`` (``logit_pos_BR``)::
+    For the token predicted at flat position ``p`` (``logit_pos_BR``)::
 
         z       = float32(logits[p]) / temperature
         logp    = z[target] - logsumexp(z)           == log_softmax(z)[target]
@@ -29,7 +29,8 @@ def response_logprobs(
 
     Args:
         logits_BLV: model output logits (any float dtype).
-        logit_pos_BR: positions whose logits predict each response token.
+        logit_pos_BR: for each response token, the flat index into ``logits.reshape(-1, V)``
+            of the position that predicts it (padded ``[B, L]`` rows or one packed row).
         targets_BR: the response token ids.
         temperature: > 0.
         with_entropy: also return the per-token entropy.
@@ -40,8 +41,7 @@ def response_logprobs(
         ``(logp_BR, entropy_BR or None)``, float32.
     """
     V = logits_BLV.shape[-1]
-    index_BRV = logit_pos_BR.unsqueeze(-1).expand(-1, -1, V)
-    z_BRV = logits_BLV.gather(1, index_BRV).float() / temperature
+    z_BRV = logits_BLV.reshape(-1, V)[logit_pos_BR].float() / temperature
     lse_BR = torch.logsumexp(z_BRV, dim=-1)
     logp_BR = z_BRV.gather(-1, targets_BR.unsqueeze(-1)).squeeze(-1) - lse_BR
     entropy_BR = None

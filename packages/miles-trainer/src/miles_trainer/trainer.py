@@ -14,7 +14,7 @@ import torch
 
 from miles_trainer.batch import TrainBatch
 
-__all__ = ["Trainer"]
+__all__ = ["NonFiniteError", "Trainer"]
 
 
 @runtime_checkable
@@ -63,3 +63,10 @@ class Trainer(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
         ...
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient norm with ``TrainerConfig.on_nonfinite = "stop"``.
+
+    Raised before the optimizer step: the weights and the optimizer state are untouched.
+    """

@@ -112,3 +112,71 @@ class MixedPrecisionCopy:
                 else:
                     master.grad.add_(c.grad)
                 c.grad = None
+
+
+class PlacedModel:
+    """A module in its training layout, called the same way whatever the layout.
+
+    - ``sharded``: FSDP2 ``fully_shard`` over ``mesh`` (several ranks), mixed precision by
+      FSDP2's policy.
+    - plain on ``device`` (one rank), with a `MixedPrecisionCopy` for low-precision compute
+      (trainable) or parameters cast once (frozen).
+    - ``placement="cpu"``: a plain full copy on the CPU whatever the rank count (a frozen
+      reference kept off the accelerator); inputs go to the CPU, outputs come back.
+
+    Args:
+        module: the model (float32, on the CPU).
+        mesh: the data-parallel mesh.
+        dtype: compute dtype.
+        device: this rank's device.
+        fsdp: the FSDP2 settings (``FSDPConfig``).
+        placement: "device" or "cpu".
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        mesh: DeviceMesh,
+        dtype: torch.dtype,
+        device: torch.device,
+        fsdp: Any,
+        placement: str = "device",
+    ) -> None:
+        self.module = module
+        self.trainable = any(p.requires_grad for p in module.parameters())
+        self._mp: MixedPrecisionCopy | None = None
+        self._device = torch.device("cpu") if placement == "cpu" else device
+        self._out_device = device
+        sharded = placement == "device" and mesh.size() > 1
+        if sharded:
+            fsdp.build(module, mesh, dtype)
+        else:
+            module.to(self._device)
+            if dtype != torch.float32:
+                if self.trainable:
+                    self._mp = MixedPrecisionCopy(module, dtype)
+                else:
+                    cast_frozen_params(module, dtype)
+
+    def __call__(self, **kwargs: Any) -> Any:
+        """``module(**kwargs)`` in this layout (tensors moved to the module's device)."""
+        if self._device != self._out_device:
+            kwargs = {k: v.to(self._device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        if self._mp is not None:
+            return self._mp.forward(**kwargs)
+        return self.module(**kwargs)
+
+    def refresh(self) -> None:
+        """Re-cast low-precision copies after the master weights changed (no-op otherwise)."""
+        if self._mp is not None:
+            self._mp.refresh()
+
+    def accumulate_grads(self) -> None:
+        """Move the low-precision copies' gradients to the fp32 masters (no-op otherwise)."""
+        if self._mp is not None:
+            self._mp.accumulate_grads()
+
+    def to_output_device(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` on the rank's compute device (where the loss runs)."""
+        return x.to(self._out_device)

@@ -1,4 +1,4 @@
-"""`FSDPTrainer`: an HF causal LM sharded with FSDP2, trained with the clipped RL loss.
+"""`FSDPTrainer`: an HF causal LM sharded with FSDP2, trained with the loss hub.
 
 Every rank calls every method with the same arguments (they are collective). Run one process
 for a single device, or ``torchrun --nproc_per_node N`` for N (gloo on CPU, NCCL on CUDA).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,20 +22,21 @@ from miles_trainer._attention import attn_implementation
 from miles_trainer._distributed import broadcast_ok, init_distributed
 from miles_trainer._hf_dir import write_hf_dir
 from miles_trainer._malloc import keep_freed_memory
+from miles_trainer._metrics import StepMetrics
 from miles_trainer._rmsnorm import use_fast_rms_norm
-from miles_trainer.batch import MicroBatch, TrainBatch, pack_micro_batch
+from miles_trainer.advantages import batch_advantages, shape_and_filter
+from miles_trainer.batch import MicroBatch, TrainBatch, make_micro_batch, plan_micro_batches
 from miles_trainer.config import TrainerConfig
 from miles_trainer.fsdp.checkpoint import gather_full_state_dict
 from miles_trainer.fsdp.optim import build_optimizer
-from miles_trainer.fsdp.parallelize import MixedPrecisionCopy, cast_frozen_params, load_model
+from miles_trainer.fsdp.parallelize import PlacedModel, load_model
 from miles_trainer.logprobs import response_logprobs
-from miles_trainer.losses import policy_loss
+from miles_trainer.losses import value_loss
+from miles_trainer.trainer import NonFiniteError
 
 __all__ = ["FSDPTrainer"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Per-micro-batch metrics summed over micro-batches and ranks (each is a global partial sum).
-_SUMMED = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "abs_diff_sum")
 
 
 @dataclass(slots=True)
@@ -57,66 +59,95 @@ def _minibatch_indices(n: int, num_minibatches: int) -> list[list[int]]:
 
 
 class FSDPTrainer:
-    """Policy trainer: HF causal LM + FSDP2 + AdamW + the clipped RL loss.
+    """Policy trainer: HF causal LM + FSDP2 + AdamW + the loss hub.
 
     Construction initialises ``torch.distributed`` when needed (env:// under a launcher, else a
     one-process group) and loads ``config.model_path`` in float32 on every rank. With several
     ranks, each decoder layer and the root are sharded with FSDP2 ``fully_shard`` over a 1-D
     ``("dp",)`` mesh. With one rank the model stays a plain module (FSDP2 would shard nothing
     and only add overhead) and low-precision compute casts copies of the fp32 parameters the
-    way FSDP2's mixed precision does (see ``_parallelize.py``). With
-    ``config.loss.kl_coef > 0`` a frozen reference model is loaded and laid out the same way.
+    way FSDP2's mixed precision does (see ``fsdp/parallelize.py``). With
+    ``config.loss.kl_coef > 0`` a frozen reference model is loaded (laid out like the policy,
+    or kept on the CPU); with ``config.critic`` a value model is trained beside the policy.
 
     Args:
         config: the trainer configuration.
 
     Raises:
         FileNotFoundError: a model directory is missing, or holds no config/safetensors weights.
+        ValueError: a user loss or estimator named in the config does not import.
     """
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
+        self._loss_fn = config.loss.build()  # fails early on a user loss that does not import
+        config.advantage.build()
         self._rank, self._world, self._device = init_distributed()
         self._mesh = init_device_mesh(self._device.type, (self._world,), mesh_dim_names=("dp",))
         torch.manual_seed(config.seed)
         dtype = _DTYPES[config.dtype]
         attn = attn_implementation(dtype, self._device)
-        self._sharded = self._world > 1
+        cpu = torch.device("cpu")
         self._model: torch.nn.Module = load_model(
             config.model_path, "model_path", attn_implementation=attn, trainable=True
         )
         # QAT hooks sit on the policy's expert modules; they see whatever the forward computes
         # with (the bf16 copies on one rank, FSDP2's unsharded parameters on several).
         self._qat = config.qat.build(self._model) if config.qat is not None else None
-        self._ref: torch.nn.Module | None = None
+        ref_module = None
         if config.loss.kl_coef > 0:
-            ref_path = config.ref_model_path or config.model_path
-            what = "ref_model_path" if config.ref_model_path else "model_path"
-            self._ref = load_model(ref_path, what, attn_implementation=attn, trainable=False)
-        if dtype != torch.float32 and self._device.type == "cpu":
+            rcfg = config.reference
+            on_cpu = rcfg.placement == "cpu"
+            ref_attn = attn_implementation(dtype, cpu) if on_cpu else attn
+            what = "trainer.reference.path" if rcfg.path else "model_path"
+            ref_module = load_model(
+                rcfg.path or config.model_path, what, attn_implementation=ref_attn, trainable=False
+            )
+        critic_module = None
+        if config.critic is not None:
+            critic_module = config.critic.build(config.model_path, attn_implementation=attn)
+        if dtype != torch.float32:
             # Low precision on CPU: GEMMs are cheap, elementwise passes are not (_rmsnorm.py).
-            use_fast_rms_norm(self._model)
-            if self._ref is not None:
-                use_fast_rms_norm(self._ref)
-        if self._device.type == "cpu":
+            for module, placement in (
+                (self._model, "device"),
+                (ref_module, config.reference.placement),
+                (critic_module, "device"),
+            ):
+                on_cpu = self._device.type == "cpu" or placement == "cpu"
+                if module is not None and on_cpu:
+                    use_fast_rms_norm(module)
+        if self._device.type == "cpu" or config.reference.placement == "cpu":
             keep_freed_memory()  # reuse activation memory instead of page-faulting it in
-        self._mp: MixedPrecisionCopy | None = None
-        if self._sharded:
-            config.fsdp.build(self._model, self._mesh, dtype)
-            if self._ref is not None:
-                config.fsdp.build(self._ref, self._mesh, dtype)
-        else:
-            self._model.to(self._device)
-            if self._ref is not None:
-                self._ref.to(self._device)
-            if dtype != torch.float32:
-                self._mp = MixedPrecisionCopy(self._model, dtype)
-                if self._ref is not None:
-                    cast_frozen_params(self._ref, dtype)
+
+        def place(module: torch.nn.Module, placement: str = "device") -> PlacedModel:
+            return PlacedModel(
+                module,
+                mesh=self._mesh,
+                dtype=dtype,
+                device=self._device,
+                fsdp=config.fsdp,
+                placement=placement,
+            )
+
+        self._policy = place(self._model)
+        self._ref = place(ref_module, config.reference.placement) if ref_module else None
+        self._critic = place(critic_module) if critic_module is not None else None
         embeddings = self._model.get_input_embeddings()
         assert isinstance(embeddings, torch.nn.Embedding)
         self._vocab_size = int(embeddings.num_embeddings)
         self._optimizer = build_optimizer(list(self._model.parameters()), config, self._rank)
+        self._critic_optimizer: torch.optim.Optimizer | None = None
+        if critic_module is not None:
+            assert config.critic is not None
+            self._critic_optimizer = torch.optim.AdamW(
+                critic_module.parameters(),
+                lr=config.critic.lr,
+                betas=config.betas,
+                eps=config.eps,
+                weight_decay=config.weight_decay,
+                foreach=True,
+                fused=False,
+            )
 
     # ------------------------------------------------------------------ properties
 
@@ -128,6 +159,11 @@ class FSDPTrainer:
         (``.full_tensor()`` gathers one); with one rank it is the plain module.
         """
         return self._model
+
+    @property
+    def critic(self) -> torch.nn.Module | None:
+        """The critic (`miles_trainer.critic.ValueModel`), or None without one."""
+        return None if self._critic is None else self._critic.module
 
     @property
     def rank(self) -> int:
@@ -147,20 +183,29 @@ class FSDPTrainer:
     # ------------------------------------------------------------------ forward
 
     def _forward(
-        self, model: torch.nn.Module, mb: MicroBatch, *, with_entropy: bool, entropy_grad: bool
+        self, model: PlacedModel, mb: MicroBatch, *, with_entropy: bool, entropy_grad: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if model is self._model and self._mp is not None:
-            out = self._mp.forward(input_ids=mb.input_ids_BL, use_cache=False)
-        else:
-            out = model(input_ids=mb.input_ids_BL, use_cache=False)
+        out = model(input_ids=mb.input_ids_BL, position_ids=mb.position_ids_BL, use_cache=False)
         logits_BLV = out.logits
-        return response_logprobs(
+        pos_BR, targets_BR = mb.logit_pos_BR, mb.targets_BR
+        if logits_BLV.device != pos_BR.device:  # a reference kept on the CPU
+            pos_BR, targets_BR = pos_BR.to(logits_BLV.device), targets_BR.to(logits_BLV.device)
+        logp_BR, ent_BR = response_logprobs(
             logits_BLV,
-            mb.logit_pos_BR,
-            mb.targets_BR,
+            pos_BR,
+            targets_BR,
             self.config.temperature,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
+        )
+        if logp_BR.device != self._device:
+            logp_BR = logp_BR.to(self._device)
+        return logp_BR, ent_BR
+
+    def _values(self, mb: MicroBatch) -> torch.Tensor:
+        assert self._critic is not None
+        return self._critic(
+            input_ids=mb.input_ids_BL, logit_pos_BR=mb.logit_pos_BR, position_ids=mb.position_ids_BL
         )
 
     def _check_tokens(self, batch: TrainBatch) -> None:
@@ -168,8 +213,8 @@ class FSDPTrainer:
             top = max(toks)
             if top >= self._vocab_size:
                 raise ValueError(
-                    f"sample {i}: token id {top} is out of range for the model's vocabulary "
-                    f"of {self._vocab_size}"
+                    f"{batch.name(i)}: token id {top} is out of range for the model's "
+                    f"vocabulary of {self._vocab_size}"
                 )
 
     def _check_same_batch(self, batch: TrainBatch) -> None:
@@ -192,20 +237,31 @@ class FSDPTrainer:
                 "same TrainBatch (each rank takes its own share of it)"
             )
 
+    def _plan(self, batch: TrainBatch, share: list[int]) -> list[list[int]]:
+        cfg = self.config
+        return plan_micro_batches(
+            [len(t) for t in batch.tokens],
+            share,
+            micro_batch_size=cfg.micro_batch_size,
+            max_tokens=cfg.max_tokens_per_microbatch,
+            packed=cfg.packing,
+        )
+
     def _micro_batches(self, batch: TrainBatch, indices: list[int]) -> list[_Micro]:
         """This rank's micro-batches of one mini-batch; equally many on every rank.
 
-        Rank r takes samples ``indices[r::world]``. Ranks whose share is short run zero-weight
-        filler passes so that all ranks issue the same FSDP collectives.
+        Rank r takes samples ``indices[r::world]``, cut by `plan_micro_batches`. Ranks with
+        fewer micro-batches run zero-weight filler passes so that all ranks issue the same
+        FSDP collectives.
         """
-        mbs = self.config.micro_batch_size
-        share = indices[self._rank :: self._world]
-        longest = math.ceil(len(indices) / self._world)
+        plans = [self._plan(batch, indices[r :: self._world]) for r in range(self._world)]
+        mine = plans[self._rank]
+        count = max(len(p) for p in plans)
         out = []
-        for j in range(math.ceil(longest / mbs)):
-            chunk = share[j * mbs : (j + 1) * mbs]
-            real = bool(chunk)
-            out.append(_Micro(pack_micro_batch(batch, chunk or indices[:1], self._device), real))
+        for j in range(count):
+            chunk = mine[j] if j < len(mine) else indices[:1]
+            mb = make_micro_batch(batch, chunk, self._device, packed=self.config.packing)
+            out.append(_Micro(mb, j < len(mine)))
         return out
 
     # ------------------------------------------------------------------ public API
@@ -226,55 +282,54 @@ class FSDPTrainer:
         Returns:
             Per sample, ``response_length`` logprobs.
         """
-        zeros = [[0] * r for r in response_lengths]
         batch = TrainBatch(
             tokens=tokens,
             response_lengths=response_lengths,
-            loss_masks=zeros,
+            loss_masks=[[0] * r for r in response_lengths],
             rollout_logprobs=[[0.0] * r for r in response_lengths],
             advantages=[[0.0] * r for r in response_lengths],
         )
         self._check_tokens(batch)
-        if self._mp is not None:
-            self._mp.refresh()
+        self._policy.refresh()
         out: list[list[float]] = []
-        mbs = self.config.micro_batch_size
-        for start in range(0, len(batch), mbs):
-            indices = list(range(start, min(start + mbs, len(batch))))
-            mb = pack_micro_batch(batch, indices, self._device)
-            logp_BR, _ = self._forward(self._model, mb, with_entropy=False, entropy_grad=False)
+        for chunk in self._plan(batch, list(range(len(batch)))):
+            mb = make_micro_batch(batch, chunk, self._device, packed=self.config.packing)
+            logp_BR, _ = self._forward(self._policy, mb, with_entropy=False, entropy_grad=False)
             out.extend(mb.unpad(logp_BR))
         return out
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One RL update: ``config.num_minibatches`` optimizer steps over ``batch``.
+        """One RL update: up to ``config.num_minibatches`` optimizer steps over ``batch``.
 
-        Collective: call on every rank with the same batch. The batch is cut into contiguous
-        mini-batches; within one, rank r trains on samples ``r::world`` in micro-batches of
-        ``config.micro_batch_size`` with gradient accumulation. The loss of each mini-batch is
+        Collective: call on every rank with the same batch. First the batch is prepared: the
+        overlong penalty and the group filter (``config.advantage``) act on the rewards; then
+        the batch is cut into contiguous mini-batches (``num_minibatches``, fewer only if the
+        filter left fewer samples than that); within one, rank r trains on samples ``r::world`` in
+        micro-batches (``micro_batch_size`` samples, or ``max_tokens_per_microbatch`` tokens;
+        padded or packed) with gradient accumulation. The loss of each mini-batch is
         normalised by that mini-batch's global token/sequence counts, so any number of ranks
         and micro-batches gives the gradient of the one big mini-batch.
 
-        Unless ``config.loss.use_rollout_logprobs``, the old logprobs are the current policy's
-        before the first update: with ``config.num_minibatches == 1`` they are the training
-        forward's own logprobs, detached (every forward precedes the only optimizer step, so
-        they are the same numbers); otherwise a no-grad forward pass over the whole batch
-        computes them first.
+        No-grad passes before any update give the old logprobs (unless
+        ``loss.use_rollout_logprobs``; with one mini-batch the training forward's own,
+        detached, are the same numbers and no pass runs), the reference logprobs (KL) and the
+        critic's values (GAE). Advantages come from the configured estimator (or the batch's
+        precomputed ones).
 
         Args:
-            batch: the samples to train on (needs at least ``num_minibatches`` of them).
+            batch: the samples to train on.
 
         Returns:
-            Metrics, identical on every rank, averaged over the mini-batches: ``loss``,
-            ``pg_loss``, ``kl``, ``entropy``, ``clip_frac``, ``ratio_mean``, ``grad_norm``
-            (before clipping), ``lr``, ``train_rollout_logprob_abs_diff`` (mean over loss
-            tokens of ``|train logp - rollout logp|``, see the README), ``tokens`` (loss tokens
-            in the batch) and ``skipped_steps`` (optimizer steps skipped for a non-finite
-            gradient norm).
+            Metrics, identical on every rank (see the README for the list): the loss terms
+            averaged over the mini-batches, ``grad_norm``, ``lr``, ``tokens``,
+            ``skipped_steps``, the train/rollout logprob gap, and the batch statistics.
 
         Raises:
-            ValueError: too few samples, token ids outside the vocabulary, or different batches
-                on different ranks.
+            ValueError: fewer samples than ``num_minibatches``, token ids outside the
+                vocabulary, different batches on different ranks, or an estimator that cannot
+                run on this batch.
+            NonFiniteError: a non-finite loss or gradient with ``on_nonfinite = "stop"`` (the
+                weights are untouched).
         """
         cfg, lcfg = self.config, self.config.loss
         if len(batch) < cfg.num_minibatches:
@@ -284,25 +339,35 @@ class FSDPTrainer:
             )
         self._check_tokens(batch)
         self._check_same_batch(batch)
-        minibatches = _minibatch_indices(len(batch), cfg.num_minibatches)
+        prepared, out = shape_and_filter(batch, cfg.advantage)
+        if prepared is None:  # the group filter dropped everything: no update this step
+            out.update(samples=0.0, tokens=0.0, skipped_steps=0.0, optimizer_steps=0.0)
+            return out
+        batch = prepared
+        out.update(_version_metrics(batch))
+        n_mb = min(cfg.num_minibatches, len(batch))
+        minibatches = _minibatch_indices(len(batch), n_mb)
         micros = [self._micro_batches(batch, idx) for idx in minibatches]
-        if self._mp is not None:
-            self._mp.refresh()
+        for placed in (self._policy, self._critic):
+            if placed is not None:
+                placed.refresh()
 
-        # Old (behaviour) and reference logprobs, before any update. With one mini-batch the
-        # training forward itself runs before the update, so it supplies the old logprobs.
+        # Before any update: old and reference logprobs, the critic's values. With one
+        # mini-batch the training forward itself runs before the update, so it supplies the
+        # old logprobs.
         need_old = not lcfg.use_rollout_logprobs
-        old_from_train = need_old and cfg.num_minibatches == 1
+        old_from_train = need_old and n_mb == 1
         old_pass = need_old and not old_from_train
         old: list[list[torch.Tensor]] = [[] for _ in micros]
         ref: list[list[torch.Tensor]] = [[] for _ in micros]
-        if old_pass or self._ref is not None:
+        old_values: list[list[torch.Tensor]] = [[] for _ in micros]
+        if old_pass or self._ref is not None or self._critic is not None:
             with torch.no_grad():
                 for k, group in enumerate(micros):
                     for m in group:
                         if old_pass:
                             logp, _ = self._forward(
-                                self._model, m.mb, with_entropy=False, entropy_grad=False
+                                self._policy, m.mb, with_entropy=False, entropy_grad=False
                             )
                             old[k].append(logp)
                         if self._ref is not None:
@@ -310,79 +375,158 @@ class FSDPTrainer:
                                 self._ref, m.mb, with_entropy=False, entropy_grad=False
                             )
                             ref[k].append(logp)
+                        if self._critic is not None:
+                            old_values[k].append(self._values(m.mb))
 
-        sums_KM = torch.zeros(len(micros), len(_SUMMED), dtype=torch.float64, device=self._device)
+        returns = self._fill_advantages(batch, micros, old_values, out)
+
+        metrics = StepMetrics(n_mb)
         grad_norms: list[float] = []
+        critic_norms: list[float] = []
         skipped = 0
         for k, (idx, group) in enumerate(zip(minibatches, micros)):
             n_tok = max(1, batch.num_loss_tokens(idx))
-            self._optimizer.zero_grad(set_to_none=True)
+            counts = {
+                "num_global_tokens": n_tok,
+                "num_global_seqs": len(idx),
+                "norm_length": lcfg.norm_length or max(batch.response_lengths[i] for i in idx),
+            }
+            self._zero_grad()
             for j, m in enumerate(group):
                 mb = m.mb
                 logp_BR, ent_BR = self._forward(
-                    self._model, mb, with_entropy=True, entropy_grad=lcfg.entropy_coef > 0
+                    self._policy, mb, with_entropy=True, entropy_grad=lcfg.entropy_coef > 0
                 )
                 if old_from_train:
                     old_BR = logp_BR.detach()
                 else:
                     old_BR = old[k][j] if need_old else mb.rollout_logp_BR
-                loss, metrics = policy_loss(
+                loss, terms = self._loss_fn(
                     logp_BR,
                     old_BR,
                     mb.advantages_BR,
                     mb.mask_BR,
-                    lcfg,
                     ref_logp_BT=ref[k][j] if self._ref is not None else None,
                     entropy_BT=ent_BR,
                     rollout_logp_BT=mb.rollout_logp_BR,
-                    num_global_tokens=n_tok,
-                    num_global_seqs=len(idx),
+                    **counts,
                 )
+                total = loss
+                if self._critic is not None:
+                    assert cfg.critic is not None
+                    assert returns is not None
+                    v_loss, v_terms = value_loss(
+                        self._values(mb),
+                        old_values[k][j],
+                        mb.per_token(returns),
+                        mb.mask_BR,
+                        value_clip=cfg.critic.value_clip,
+                        loss_agg=lcfg.loss_agg,
+                        **counts,
+                    )
+                    total = loss + v_loss
+                    terms.update(v_terms)
                 # FSDP2 averages gradients over ranks; scaling by world turns that into the
                 # sum of per-rank partial sums, i.e. the global-batch gradient.
-                (loss * (self._world if m.real else 0.0)).backward()
-                if self._mp is not None:
-                    self._mp.accumulate_grads()
-                if not m.real:
-                    continue
+                (total * (self._world if m.real else 0.0)).backward()
+                for placed in (self._policy, self._critic):
+                    if placed is not None:
+                        placed.accumulate_grads()
                 train_BR = old_BR if need_old else logp_BR.detach()
-                diff_BR = (train_BR - mb.rollout_logp_BR).abs()
-                abs_diff = torch.where(mb.mask_BR, diff_BR, torch.zeros_like(diff_BR)).sum()
-                values = [loss.detach()] + [metrics[n] for n in _SUMMED[1:-1]] + [abs_diff]
-                sums_KM[k] += torch.stack([v.to(torch.float64) for v in values])
-            grad_norm = self._clip_grad_norm()
+                diff_BR = train_BR - mb.rollout_logp_BR
+                terms["loss"] = loss.detach()
+                terms["train_rollout_logprob_abs_diff"] = _token_mean(diff_BR.abs(), mb, n_tok)
+                terms["train_rollout_logprob_diff"] = _token_mean(diff_BR, mb, n_tok)
+                metrics.add(k, terms, real=m.real)
+            grad_norm, critic_norm = self._clip_grad_norms()
             grad_norms.append(grad_norm)
-            if math.isfinite(grad_norm):
+            critic_norms.append(critic_norm)
+            if self._finite(metrics, k, grad_norm, critic_norm):
                 self._optimizer.step()
-                if self._mp is not None and k + 1 < len(micros):
-                    self._mp.refresh()
+                if self._critic_optimizer is not None:
+                    self._critic_optimizer.step()
+                if k + 1 < len(micros):
+                    for placed in (self._policy, self._critic):
+                        if placed is not None:
+                            placed.refresh()
+            elif cfg.on_nonfinite == "stop":
+                self._zero_grad()
+                raise NonFiniteError(
+                    f"train_step: non-finite loss or gradient in mini-batch {k} (grad_norm "
+                    f"{grad_norm}); the step was not applied, the weights are untouched "
+                    '(trainer.on_nonfinite: "skip" skips such steps instead)'
+                )
             else:
                 skipped += 1
-            self._optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
 
-        if self._world > 1:
-            dist.all_reduce(sums_KM)
-        mean_M = sums_KM.mean(dim=0).tolist()
-        out = {name: float(v) for name, v in zip(_SUMMED[:-1], mean_M[:-1])}
-        total_tokens = batch.num_loss_tokens()
-        out["train_rollout_logprob_abs_diff"] = float(sums_KM[:, -1].sum().item()) / max(
-            1, total_tokens
-        )
+        out.update(metrics.reduce(self._device, self._world))
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        if self._critic is not None:
+            out["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
         out["lr"] = float(self._optimizer.param_groups[0]["lr"])
-        out["tokens"] = float(total_tokens)
+        out["samples"] = float(len(batch))
+        out["tokens"] = float(batch.num_loss_tokens())
+        out["optimizer_steps"] = float(n_mb - skipped)
         out["skipped_steps"] = float(skipped)
         return out
 
-    def _clip_grad_norm(self) -> float:
-        max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
-        params = [p for p in self._model.parameters() if p.grad is not None]
-        if not params:
-            return 0.0
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return float(norm.item())
+    def _fill_advantages(
+        self,
+        batch: TrainBatch,
+        micros: list[list[_Micro]],
+        old_values: list[list[torch.Tensor]],
+        out: dict[str, float],
+    ) -> list[list[float]] | None:
+        """Run the estimator and write each micro-batch's ``advantages_BR``; return GAE's
+        returns (None without a critic). Adds the advantage statistics to ``out``."""
+        values = None
+        if self._critic is not None:
+            # Each rank scored its own samples; GAE and whitening need them all.
+            mine: dict[int, list[float]] = {}
+            for group, vals in zip(micros, old_values):
+                for m, v_BR in zip(group, vals):
+                    if m.real:
+                        mine.update(zip(m.mb.indices, m.mb.unpad(v_BR)))
+            parts: list[Any] = [mine]
+            if self._world > 1:
+                parts = [None] * self._world
+                dist.all_gather_object(parts, mine)
+            merged = {i: v for part in parts for i, v in part.items()}
+            values = [merged[i] for i in range(len(batch))]
+        adv, returns = batch_advantages(batch, self.config.advantage, values)
+        xs = [a for row, mask in zip(adv, batch.loss_masks) for a, m in zip(row, mask) if m]
+        if xs:
+            out["advantage_mean"] = sum(xs) / len(xs)
+            out["advantage_abs_mean"] = sum(map(abs, xs)) / len(xs)
+        for group in micros:
+            for m in group:
+                m.mb.advantages_BR = m.mb.per_token(adv)
+        return returns
+
+    def _zero_grad(self) -> None:
+        self._optimizer.zero_grad(set_to_none=True)
+        if self._critic_optimizer is not None:
+            self._critic_optimizer.zero_grad(set_to_none=True)
+
+    def _finite(self, metrics: StepMetrics, k: int, grad_norm: float, critic_norm: float) -> bool:
+        """Whether mini-batch ``k``'s loss and gradient norms are finite on every rank."""
+        ok = math.isfinite(grad_norm) and math.isfinite(critic_norm)
+        local = metrics.local_sum("loss", k) + metrics.local_sum("value_loss", k)
+        if self._world > 1:
+            flag = torch.tensor([0.0 if math.isfinite(local) else 1.0], device=self._device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return ok and flag.item() == 0.0
+        return ok and math.isfinite(local)
+
+    def _clip_grad_norms(self) -> tuple[float, float]:
+        cfg = self.config
+        norm = _clip(self._model, cfg.grad_clip)
+        critic = 0.0
+        if self._critic is not None:
+            assert cfg.critic is not None
+            critic = _clip(self._critic.module, cfg.critic.grad_clip)
+        return norm, critic
 
     def save_hf_checkpoint(self, path: str | os.PathLike[str], *, dtype: str | None = None) -> None:
         """Gather the full weights and write an HF model directory from rank 0. Collective.
@@ -431,7 +575,12 @@ class FSDPTrainer:
         with the same config and world size via `load_state_dict`.
         """
         model_sd, optim_sd = get_state_dict(self._model, self._optimizer)
-        return {"model": model_sd, "optimizer": optim_sd}
+        state = {"model": model_sd, "optimizer": optim_sd}
+        if self._critic is not None:
+            assert self._critic_optimizer is not None
+            critic_sd, critic_optim_sd = get_state_dict(self._critic.module, self._critic_optimizer)
+            state.update(critic=critic_sd, critic_optimizer=critic_optim_sd)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned. Collective.
@@ -445,6 +594,57 @@ class FSDPTrainer:
             model_state_dict=state["model"],
             optim_state_dict=_clone_tensors(state["optimizer"]),
         )
+        if self._critic is not None:
+            assert self._critic_optimizer is not None
+            set_state_dict(
+                self._critic.module,
+                self._critic_optimizer,
+                model_state_dict=state["critic"],
+                optim_state_dict=_clone_tensors(state["critic_optimizer"]),
+            )
+
+
+def _clip(module: torch.nn.Module, max_norm: float | None) -> float:
+    """Clip the gradients' global 2-norm (None: only measure it); return the norm before."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm.item())
+
+
+def _token_mean(x_BR: torch.Tensor, mb: MicroBatch, n_tok: int) -> torch.Tensor:
+    """Partial sum of a token mean over the mini-batch's ``n_tok`` loss tokens."""
+    return torch.where(mb.mask_BR, x_BR, torch.zeros_like(x_BR)).sum().double() / n_tok
+
+
+def _version_metrics(batch: TrainBatch) -> dict[str, float]:
+    """Statistics of the weight versions of the trained tokens (none without versions).
+
+    ``weight_versions``: distinct versions; ``stale_token_frac``: fraction of loss tokens not
+    made by the newest version in the batch; ``weight_version_lag_max``: newest minus oldest
+    (only when every version is an integer string).
+    """
+    if batch.weight_versions is None:
+        return {}
+    seen = Counter(
+        v
+        for row, mask in zip(batch.weight_versions, batch.loss_masks)
+        for v, m in zip(row, mask)
+        if m and v is not None
+    )
+    if not seen:
+        return {}
+    total = sum(seen.values())
+    out = {"weight_versions": float(len(seen))}
+    if all(v.lstrip("-").isdigit() for v in seen):
+        ints = {int(v): c for v, c in seen.items()}
+        newest = max(ints)
+        out["weight_version_lag_max"] = float(newest - min(ints))
+        out["stale_token_frac"] = 1.0 - ints[newest] / total
+    return out
 
 
 def _clone_tensors(tree: Any) -> Any:
