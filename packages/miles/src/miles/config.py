@@ -43,6 +43,11 @@ __all__ = [
 ]
 
 
+ROLLOUT_MODES = ("sync", "async")
+_POLICIES = ("keep", "retry", "drop", "reject")
+_FALLBACKS = ("keep", "retry", "drop")
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutSettings:
     """How the loop uses the engines.
@@ -53,12 +58,35 @@ class RolloutSettings:
         max_concurrency: bound on generate requests in flight.
         engine_url: URL of an SGLang-compatible server or sglang-router; ``None`` runs the
             embedded engine in this process.
+        mode: ``"sync"``: each step generates its groups with the current weights, then
+            trains. ``"async"``: the engines keep generating while the trainer trains; steps
+            take completed groups from a bounded buffer (``miles.rollout.AsyncRollout``).
+        buffer_capacity: async: completed groups the buffer holds before the producer stops
+            starting new ones (default: two steps' worth). At least ``prompts_per_step``.
+        max_staleness: async: the bound on a group's staleness, i.e. the trainer's version
+            minus the oldest weight version that produced one of its tokens. 0 trains only on
+            tokens of the trainer's current weights.
+        staleness_policy: async: what happens to a group over the bound when a step takes it:
+            ``"keep"`` it, ``"retry"`` (regenerate the prompt under current weights), ``"drop"``
+            it; ``"reject"`` refuses it when it completes, before it enters the buffer; or a
+            dotted path ``"pkg.module:fn"`` to ``fn(view: miles.rollout.GroupView) -> "keep" |
+            "retry" | "drop"``.
+        staleness_fallback: the decision when a user staleness function raises.
+        admission_pacing: async: start new prompts only while ``accepted + running <=
+            (max_staleness + version + 1) * prompts_per_step`` (AReaL's rule), bounding
+            staleness at admission instead of discarding slow groups.
     """
 
     prompts_per_step: int = 8
     n_samples_per_prompt: int = 8
     max_concurrency: int = 256
     engine_url: str | None = None
+    mode: str = "sync"
+    buffer_capacity: int | None = None
+    max_staleness: int = 1
+    staleness_policy: str = "drop"
+    staleness_fallback: str = "drop"
+    admission_pacing: bool = False
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:
@@ -70,6 +98,30 @@ class RolloutSettings:
             )
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.mode not in ROLLOUT_MODES:
+            raise ValueError(
+                f"rollout.mode must be one of {list(ROLLOUT_MODES)}, got {self.mode!r}"
+            )
+        if self.buffer_capacity is None:
+            self.buffer_capacity = 2 * self.prompts_per_step
+        if self.buffer_capacity < self.prompts_per_step:
+            raise ValueError(
+                f"rollout.buffer_capacity ({self.buffer_capacity} groups) is smaller than one "
+                f"step's batch (rollout.prompts_per_step={self.prompts_per_step}): the trainer "
+                "could never get a full batch; raise it or leave it unset (two steps' worth)"
+            )
+        if self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.staleness_policy not in _POLICIES and ":" not in self.staleness_policy:
+            raise ValueError(
+                f"rollout.staleness_policy must be one of {list(_POLICIES)} or a dotted path "
+                f"'pkg.module:fn', got {self.staleness_policy!r}"
+            )
+        if self.staleness_fallback not in _FALLBACKS:
+            raise ValueError(
+                f"rollout.staleness_fallback must be one of {list(_FALLBACKS)}, got "
+                f"{self.staleness_fallback!r}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,6 +170,9 @@ class RunSettings:
         tensorboard: also log to TensorBoard when it is installed.
         plot_every: refresh the PNG reward curve every this many steps.
         progress: show a progress bar.
+        dump_samples: write every trained sample to ``samples.jsonl`` in the run directory
+            (``step``, ``tokens``, ``loss_mask`` and ``weight_versions`` per token (``null``
+            where the policy did not generate it), ``staleness``, ``reward``), to audit a run.
     """
 
     num_steps: int = 60
@@ -126,6 +181,7 @@ class RunSettings:
     tensorboard: bool = True
     plot_every: int = 10
     progress: bool = True
+    dump_samples: bool = False
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import shutil
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch.distributed as dist
 import yaml
@@ -30,8 +31,11 @@ import yaml
 from miles._runlog import RunLog, plot_reward_curve
 from miles.config import RunConfig
 from miles.protocols import RolloutSource, Trainer, WeightSync
-from miles.rollout import RolloutEngines, SyncRollout, build_train_batch
+from miles.rollout import AsyncRollout, RolloutEngines, SyncRollout, build_train_batch
+from miles.rollout.buffer import token_versions
+from miles.tasks import load_callable
 from miles.weight_sync import PushSync
+from miles_rollout import Sample
 from miles_trainer import FSDPTrainer
 from miles_transfer import WeightReceiver
 
@@ -109,8 +113,12 @@ def build_trainer(cfg: RunConfig) -> Trainer:
 
 
 def build_source(cfg: RunConfig, engines: RolloutEngines) -> RolloutSource:
-    """The recipe's rollout source (rank 0 only)."""
-    return SyncRollout(cfg, engines)
+    """The recipe's rollout source (rank 0 only): ``rollout.mode`` sync or async."""
+    if cfg.rollout.mode == "sync":
+        return SyncRollout(cfg, engines)
+    policy = cfg.rollout.staleness_policy
+    fn = load_callable(policy) if ":" in policy else None
+    return AsyncRollout(cfg, engines, staleness_fn=fn)
 
 
 def build_weight_sync(cfg: RunConfig, receiver: WeightReceiver | None) -> WeightSync:
@@ -120,12 +128,38 @@ def build_weight_sync(cfg: RunConfig, receiver: WeightReceiver | None) -> Weight
     )
 
 
-def _rollout_payload(source: RolloutSource, step: int) -> tuple[Any, dict[str, Any]]:
+def _rollout_payload(
+    source: RolloutSource, step: int, dump: TextIO | None
+) -> tuple[Any, dict[str, Any]]:
     """Rank 0: the next batch as a TrainBatch plus its ``rollout/`` metrics."""
     rb = source.next_batch(step)
     batch, stats = build_train_batch(rb.groups)
+    if dump is not None and batch is not None:
+        for group in rb.groups:
+            if all(s.reward is not None for s in group):  # what build_train_batch kept
+                for s in group:
+                    dump.write(json.dumps(sample_record(s, step)) + "\n")
+        dump.flush()
     metrics = {**rb.metrics, **stats}
     return batch, {**_namespaced("rollout", metrics), "time/rollout_s": rb.seconds}
+
+
+def sample_record(sample: Sample, step: int) -> dict[str, Any]:
+    """One line of ``samples.jsonl``: a trained sample with per-token masks and versions.
+
+    ``loss_mask`` and ``weight_versions`` have one entry per token of ``tokens`` (prompt
+    included): 0 / ``None`` where the policy did not generate the token.
+    """
+    prompt_len = sample.prompt_length
+    versions = token_versions(sample)
+    return {
+        "step": step,
+        "tokens": list(sample.tokens),
+        "loss_mask": [0] * prompt_len + list(sample.loss_mask),
+        "weight_versions": [None] * prompt_len + versions,
+        "staleness": sample.metadata.get("staleness", 0),
+        "reward": sample.reward,
+    }
 
 
 def train(cfg: RunConfig) -> RunResult | None:
@@ -145,6 +179,7 @@ def train(cfg: RunConfig) -> RunResult | None:
     source = build_source(cfg, engines) if engines is not None else None
     run_dir = Path(cfg.run.out_dir) if cfg.run.out_dir else _default_run_dir(cfg.name)
     log: RunLog | None = None
+    dump: TextIO | None = None
     created = False
     steps_done = 0
     try:
@@ -156,13 +191,15 @@ def train(cfg: RunConfig) -> RunResult | None:
             created = True
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             log = RunLog(run_dir, tensorboard=cfg.run.tensorboard)
+            if cfg.run.dump_samples:
+                dump = (run_dir / "samples.jsonl").open("w")
         with _progress(cfg.run.num_steps, rank == 0 and cfg.run.progress) as bar:
             for step in range(1, cfg.run.num_steps + 1):
                 t_step = time.perf_counter()
                 payload: Any = None
                 if source is not None:
                     try:
-                        payload = ("ok", _rollout_payload(source, step))
+                        payload = ("ok", _rollout_payload(source, step, dump))
                     except BaseException as e:
                         _broadcast(("error", repr(e)), rank, world)
                         raise
@@ -191,6 +228,10 @@ def train(cfg: RunConfig) -> RunResult | None:
                         "time/update_s": t_update,
                         "time/step_s": time.perf_counter() - t_step,
                     }
+                    # The share of the step the trainer waited for samples.
+                    record["time/trainer_idle_frac"] = record["time/rollout_s"] / max(
+                        record["time/step_s"], 1e-9
+                    )
                     log.log(record)
                     if step % cfg.run.plot_every == 0:
                         plot_reward_curve(log.path, run_dir / "reward_curve.png", title=cfg.name)
@@ -220,5 +261,7 @@ def train(cfg: RunConfig) -> RunResult | None:
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing worth keeping
         raise
     finally:
+        if dump is not None:
+            dump.close()
         if source is not None:
             source.close()
