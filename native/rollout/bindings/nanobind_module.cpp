@@ -1,5 +1,5 @@
 // The one binding file: miles_rollout._ext, a thin nanobind layer over the decode-attention
-// kernel (decode_attention.h) and the RMSNorm kernel (rms_norm.h). Tensors arrive as addresses, sizes and strides (elements): the
+// kernel (decode_attention.h, bf16 and fp32) and the RMSNorm kernel (rms_norm.h). Tensors arrive as addresses, sizes and strides (elements): the
 // Python wrapper (miles_rollout._native_attention) owns the tensors and checks dtypes, shapes,
 // strides and bounds; this layer checks the scalars. The kernel runs without the GIL.
 #include <nanobind/nanobind.h>
@@ -22,44 +22,61 @@ NB_MODULE(_ext, m) {
       "decode_attention",
       [](uintptr_t q, int64_t q_stride_n, int64_t q_stride_kv, int64_t q_stride_g, uintptr_t k,
          uintptr_t v, int64_t t_cap, uintptr_t lengths, int64_t n, int64_t kv_heads,
-         int64_t group, int64_t head_dim, float scale, uintptr_t out) {
+         int64_t group, int64_t head_dim, float scale, uintptr_t out, uintptr_t rows,
+         int64_t batch_cap, const std::string& dtype) {
         if (n < 0 || kv_heads < 1 || group < 1 || t_cap < 1)
           throw std::invalid_argument(
               "miles_rollout._ext.decode_attention: n >= 0, kv_heads, group, t_cap >= 1");
         if (head_dim < 16 || head_dim % 16 != 0)
           throw std::invalid_argument(
               "miles_rollout._ext.decode_attention: head_dim must be a positive multiple of 16");
-        DecodeAttention a{reinterpret_cast<const uint16_t*>(q),
-                          q_stride_n,
-                          q_stride_kv,
-                          q_stride_g,
-                          reinterpret_cast<const uint16_t*>(k),
-                          reinterpret_cast<const uint16_t*>(v),
-                          t_cap,
-                          reinterpret_cast<const int64_t*>(lengths),
-                          n,
-                          kv_heads,
-                          group,
-                          head_dim,
-                          scale,
-                          reinterpret_cast<uint16_t*>(out)};
+        if (dtype != "bfloat16" && dtype != "float32")
+          throw std::invalid_argument(
+              "miles_rollout._ext.decode_attention: dtype must be 'bfloat16' or 'float32'");
+        if (rows != 0 && batch_cap < 1)
+          throw std::invalid_argument(
+              "miles_rollout._ext.decode_attention: rows need the cache's batch_cap >= 1");
+        const DecodeAttention a{reinterpret_cast<const void*>(q),
+                                q_stride_n,
+                                q_stride_kv,
+                                q_stride_g,
+                                reinterpret_cast<const void*>(k),
+                                reinterpret_cast<const void*>(v),
+                                batch_cap,
+                                t_cap,
+                                reinterpret_cast<const int64_t*>(rows),
+                                reinterpret_cast<const int64_t*>(lengths),
+                                n,
+                                kv_heads,
+                                group,
+                                head_dim,
+                                scale,
+                                dtype == "float32",
+                                reinterpret_cast<void*>(out)};
         int64_t bad;
         {
           nb::gil_scoped_release release;
           bad = decode_attention(a);
         }
-        if (bad != 0)
+        if (bad > 0)
           throw std::invalid_argument(
               "miles_rollout._ext.decode_attention: lengths[" + std::to_string(bad - 1) + "] = " +
               std::to_string(a.lengths[bad - 1]) + " is outside [1, " +
               std::to_string(t_cap) + "] (the cache's positions)");
+        if (bad < 0)
+          throw std::invalid_argument(
+              "miles_rollout._ext.decode_attention: rows[" + std::to_string(-bad - 1) + "] = " +
+              std::to_string(a.rows[-bad - 1]) + " is outside [0, " + std::to_string(batch_cap) +
+              ") (the cache's rows)");
       },
       nb::arg("q"), nb::arg("q_stride_n"), nb::arg("q_stride_kv"), nb::arg("q_stride_g"),
       nb::arg("k"), nb::arg("v"), nb::arg("t_cap"), nb::arg("lengths"), nb::arg("n"),
       nb::arg("kv_heads"), nb::arg("group"), nb::arg("head_dim"), nb::arg("scale"),
-      nb::arg("out"),
-      "bf16 decode attention over a slot KV cache; see native/rollout/include/miles_rollout/"
-      "decode_attention.h for the layout and numerics.");
+      nb::arg("out"), nb::arg("rows") = 0, nb::arg("batch_cap") = 0,
+      nb::arg("dtype") = "bfloat16",
+      "bf16 or fp32 attention of query tokens over rows of a slot KV cache (rows: 0 = query b "
+      "reads row b); see native/rollout/include/miles_rollout/decode_attention.h for the "
+      "layout and numerics.");
   m.def(
       "rms_norm",
       [](uintptr_t x, int64_t a, int64_t b, int64_t d, int64_t x_stride_a, int64_t x_stride_b,

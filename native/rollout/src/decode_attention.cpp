@@ -8,6 +8,10 @@
 // exactly the same operations one lane at a time (compiled twice: plain, and with AVX2 + FMA so
 // the compiler vectorizes it), so every variant gives the same bits. The file is compiled with
 // -ffp-contract=off: no multiply-add is fused unless written as fma.
+//
+// Element types: bf16 (transformers' eager bf16 numerics: scores, probabilities and the output
+// rounded to bf16) and fp32 (the same operations with every rounding to bf16 left out). The
+// kernel is written once over an element trait (Bf16 / F32) that loads, stores and rounds.
 #include "miles_rollout/decode_attention.h"
 
 // GCC 12 reports the deliberately undefined operand inside its own AVX-512 intrinsics as
@@ -35,6 +39,34 @@ using detail::round_bf16_v;
 #endif
 
 constexpr int kLanes = 16;
+
+// What differs between the element types: widening to fp32, rounding an fp32 intermediate to
+// the element type's precision (bf16: to nearest even; fp32: nothing) and storing.
+struct Bf16 {
+  using T = uint16_t;
+  static MILES_INLINE float to_f32(T h) { return bf16_to_f32(h); }
+  static MILES_INLINE float round(float x) { return round_bf16(x); }
+  static MILES_INLINE T from_f32(float x) { return f32_to_bf16(x); }
+#ifdef MILES_X86
+  static MILES_AVX512 MILES_INLINE __m512 load(const T* p) { return load_bf16(p); }
+  static MILES_AVX512 MILES_INLINE __m512 round_v(__m512 x) { return round_bf16_v(x); }
+  static MILES_AVX512 MILES_INLINE void store(T* p, __m512 x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+  }
+#endif
+};
+
+struct F32 {
+  using T = float;
+  static MILES_INLINE float to_f32(T x) { return x; }
+  static MILES_INLINE float round(float x) { return x; }
+  static MILES_INLINE T from_f32(float x) { return x; }
+#ifdef MILES_X86
+  static MILES_AVX512 MILES_INLINE __m512 load(const T* p) { return _mm512_loadu_ps(p); }
+  static MILES_AVX512 MILES_INLINE __m512 round_v(__m512 x) { return x; }
+  static MILES_AVX512 MILES_INLINE void store(T* p, __m512 x) { _mm512_storeu_ps(p, x); }
+#endif
+};
 
 // exp(x) = 2^n * exp(r), n = rint(x * log2(e)), r = x - n * ln2 (ln2 in two parts, Cody-Waite),
 // exp(r) by its Taylor series to r^7 (|r| <= ln2 / 2: truncation below 0.05 ulp).
@@ -89,18 +121,20 @@ Scratch& scratch() {
   return s;
 }
 
-struct Head {  // one (row, kv head)
-  const uint16_t* q;
+template <typename E>
+struct Head {  // one (query token, kv head)
+  const typename E::T* q;
   int64_t q_stride_g;
-  const uint16_t* k;  // [t_cap, head_dim]
-  const uint16_t* v;
+  const typename E::T* k;  // [t_cap, head_dim]
+  const typename E::T* v;
   int64_t len;
-  uint16_t* out;  // [group, head_dim]
+  typename E::T* out;  // [group, head_dim]
 };
 
 // ---- generic (one lane at a time) ------------------------------------------------------------
 
-MILES_INLINE void head_generic(const Head& h, int64_t group, int64_t d, float scale,
+template <typename E>
+MILES_INLINE void head_generic(const Head<E>& h, int64_t group, int64_t d, float scale,
                                Scratch& s) {
   const int64_t len = h.len;
   const int64_t lp = (len + kLanes - 1) / kLanes * kLanes;
@@ -108,16 +142,16 @@ MILES_INLINE void head_generic(const Head& h, int64_t group, int64_t d, float sc
   s.p.resize(static_cast<size_t>(group * lp));
   float* qf = s.q.data();
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < d; ++i) qf[g * d + i] = bf16_to_f32(h.q[g * h.q_stride_g + i]);
+    for (int64_t i = 0; i < d; ++i) qf[g * d + i] = E::to_f32(h.q[g * h.q_stride_g + i]);
   for (int64_t g = 0; g < group; ++g) {
     float* pg = s.p.data() + g * lp;
     const float* qg = qf + g * d;
     for (int64_t t = 0; t < len; ++t) {
-      const uint16_t* kt = h.k + t * d;
+      const typename E::T* kt = h.k + t * d;
       float acc[kLanes] = {};
       for (int64_t c = 0; c < d; c += kLanes)
-        for (int j = 0; j < kLanes; ++j) acc[j] = fmaf(qg[c + j], bf16_to_f32(kt[c + j]), acc[j]);
-      pg[t] = round_bf16(round_bf16(lane_sum(acc)) * scale);
+        for (int j = 0; j < kLanes; ++j) acc[j] = fmaf(qg[c + j], E::to_f32(kt[c + j]), acc[j]);
+      pg[t] = E::round(E::round(lane_sum(acc)) * scale);
     }
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < len; ++t) m = pg[t] > m ? pg[t] : m;
@@ -127,27 +161,29 @@ MILES_INLINE void head_generic(const Head& h, int64_t group, int64_t d, float sc
       acc[t % kLanes] = acc[t % kLanes] + pg[t];
     }
     const float sum = lane_sum(acc);
-    for (int64_t t = 0; t < len; ++t) pg[t] = round_bf16(pg[t] / sum);
+    for (int64_t t = 0; t < len; ++t) pg[t] = E::round(pg[t] / sum);
   }
   for (int64_t g = 0; g < group; ++g) {
     const float* pg = s.p.data() + g * lp;
     for (int64_t c = 0; c < d; c += kLanes) {
       float acc[kLanes] = {};
       for (int64_t t = 0; t < len; ++t) {
-        const uint16_t* vt = h.v + t * d + c;
-        for (int j = 0; j < kLanes; ++j) acc[j] = fmaf(pg[t], bf16_to_f32(vt[j]), acc[j]);
+        const typename E::T* vt = h.v + t * d + c;
+        for (int j = 0; j < kLanes; ++j) acc[j] = fmaf(pg[t], E::to_f32(vt[j]), acc[j]);
       }
-      for (int j = 0; j < kLanes; ++j) h.out[g * d + c + j] = f32_to_bf16(acc[j]);
+      for (int j = 0; j < kLanes; ++j) h.out[g * d + c + j] = E::from_f32(acc[j]);
     }
   }
 }
 
-void head_plain(const Head& h, int64_t group, int64_t d, float scale, Scratch& s) {
+template <typename E>
+void head_plain(const Head<E>& h, int64_t group, int64_t d, float scale, Scratch& s) {
   head_generic(h, group, d, scale, s);
 }
 
 #ifdef MILES_X86
-MILES_AVX2 void head_avx2(const Head& h, int64_t group, int64_t d, float scale, Scratch& s) {
+template <typename E>
+MILES_AVX2 void head_avx2(const Head<E>& h, int64_t group, int64_t d, float scale, Scratch& s) {
   head_generic(h, group, d, scale, s);
 }
 
@@ -196,40 +232,40 @@ MILES_AVX512 MILES_INLINE __m512 reduce16(const __m512* a) {
 }
 
 // out[g0 .. g0+GB) [d0 .. d0 + 16*DC) = sum_t p[g][t] * V[t]: V read once for GB queries.
-template <int GB, int DC>
-MILES_AVX512 MILES_INLINE void pv_block(const Head& h, int64_t d, const float* p, int64_t lp,
+template <typename E, int GB, int DC>
+MILES_AVX512 MILES_INLINE void pv_block(const Head<E>& h, int64_t d, const float* p, int64_t lp,
                                         int64_t g0, int64_t d0) {
   __m512 acc[GB][DC];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < h.len; ++t) {
     __m512 vv[DC];
-    for (int c = 0; c < DC; ++c) vv[c] = load_bf16(h.v + t * d + d0 + c * kLanes);
+    for (int c = 0; c < DC; ++c) vv[c] = E::load(h.v + t * d + d0 + c * kLanes);
     for (int g = 0; g < GB; ++g) {
       const __m512 pg = _mm512_set1_ps(p[(g0 + g) * lp + t]);
       for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]);
     }
   }
   for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < DC; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h.out + (g0 + g) * d + d0 + c * kLanes),
-                          _mm512_cvtepi32_epi16(bf16_bits(acc[g][c])));
+    for (int c = 0; c < DC; ++c) E::store(h.out + (g0 + g) * d + d0 + c * kLanes, acc[g][c]);
 }
 
-template <int GB>
-MILES_AVX512 MILES_INLINE void pv_group(const Head& h, int64_t d, const float* p, int64_t lp,
+template <typename E, int GB>
+MILES_AVX512 MILES_INLINE void pv_group(const Head<E>& h, int64_t d, const float* p, int64_t lp,
                                         int64_t g0) {
   int64_t d0 = 0;
-  for (; d0 + 4 * kLanes <= d; d0 += 4 * kLanes) pv_block<GB, 4>(h, d, p, lp, g0, d0);
+  for (; d0 + 4 * kLanes <= d; d0 += 4 * kLanes) pv_block<E, GB, 4>(h, d, p, lp, g0, d0);
   switch ((d - d0) / kLanes) {
-    case 3: pv_block<GB, 3>(h, d, p, lp, g0, d0); break;
-    case 2: pv_block<GB, 2>(h, d, p, lp, g0, d0); break;
-    case 1: pv_block<GB, 1>(h, d, p, lp, g0, d0); break;
+    case 3: pv_block<E, GB, 3>(h, d, p, lp, g0, d0); break;
+    case 2: pv_block<E, GB, 2>(h, d, p, lp, g0, d0); break;
+    case 1: pv_block<E, GB, 1>(h, d, p, lp, g0, d0); break;
     default: break;
   }
 }
 
-MILES_AVX512 void head_avx512(const Head& h, int64_t group, int64_t d, float scale, Scratch& s) {
+template <typename E>
+MILES_AVX512 void head_avx512(const Head<E>& h, int64_t group, int64_t d, float scale,
+                              Scratch& s) {
   const int64_t len = h.len;
   const int64_t lp = (len + kLanes - 1) / kLanes * kLanes;
   s.q.resize(static_cast<size_t>(group * d));
@@ -241,7 +277,7 @@ MILES_AVX512 void head_avx512(const Head& h, int64_t group, int64_t d, float sca
   const int64_t chunks = d / kLanes;
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c)
-      _mm512_storeu_ps(qf + g * d + c * kLanes, load_bf16(h.q + g * h.q_stride_g + c * kLanes));
+      _mm512_storeu_ps(qf + g * d + c * kLanes, E::load(h.q + g * h.q_stride_g + c * kLanes));
   const __m512 vscale = _mm512_set1_ps(scale);
   // Scores, 16 positions at a time; slot i of the block holds position t0 + 4 * (i % 4) + i / 4
   // so that reduce16 returns them in order.
@@ -251,7 +287,7 @@ MILES_AVX512 void head_avx512(const Head& h, int64_t group, int64_t d, float sca
       float* row = kf + i * d;
       if (t < len) {
         for (int64_t c = 0; c < chunks; ++c)
-          _mm512_storeu_ps(row + c * kLanes, load_bf16(h.k + t * d + c * kLanes));
+          _mm512_storeu_ps(row + c * kLanes, E::load(h.k + t * d + c * kLanes));
       } else {
         for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(row + c * kLanes, _mm512_setzero_ps());
       }
@@ -265,7 +301,7 @@ MILES_AVX512 void head_avx512(const Head& h, int64_t group, int64_t d, float sca
         for (int i = 0; i < kLanes; ++i)
           acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + i * d + c * kLanes), acc[i]);
       }
-      const __m512 sc = round_bf16_v(_mm512_mul_ps(round_bf16_v(reduce16(acc)), vscale));
+      const __m512 sc = E::round_v(_mm512_mul_ps(E::round_v(reduce16(acc)), vscale));
       _mm512_storeu_ps(pf + g * lp + t0, sc);
     }
   }
@@ -293,44 +329,60 @@ MILES_AVX512 void head_avx512(const Head& h, int64_t group, int64_t d, float sca
     _mm512_store_ps(lanes, sv);
     const __m512 sum = _mm512_set1_ps(lane_sum(lanes));
     for (int64_t t0 = 0; t0 < len; t0 += kLanes)
-      _mm512_storeu_ps(pg + t0, round_bf16_v(_mm512_div_ps(_mm512_loadu_ps(pg + t0), sum)));
+      _mm512_storeu_ps(pg + t0, E::round_v(_mm512_div_ps(_mm512_loadu_ps(pg + t0), sum)));
   }
   int64_t g0 = 0;
-  for (; g0 + 4 <= group; g0 += 4) pv_group<4>(h, d, pf, lp, g0);
+  for (; g0 + 4 <= group; g0 += 4) pv_group<E, 4>(h, d, pf, lp, g0);
   switch (group - g0) {
-    case 3: pv_group<3>(h, d, pf, lp, g0); break;
-    case 2: pv_group<2>(h, d, pf, lp, g0); break;
-    case 1: pv_group<1>(h, d, pf, lp, g0); break;
+    case 3: pv_group<E, 3>(h, d, pf, lp, g0); break;
+    case 2: pv_group<E, 2>(h, d, pf, lp, g0); break;
+    case 1: pv_group<E, 1>(h, d, pf, lp, g0); break;
     default: break;
   }
 }
 #endif  // MILES_X86
 
-}  // namespace
-
-int64_t decode_attention(const DecodeAttention& a) {
-  for (int64_t b = 0; b < a.n; ++b)
-    if (a.lengths[b] < 1 || a.lengths[b] > a.t_cap) return b + 1;
-  using Fn = void (*)(const Head&, int64_t, int64_t, float, Scratch&);
-  Fn fn = head_plain;
+template <typename E>
+void run(const DecodeAttention& a) {
+  using T = typename E::T;
+  using Fn = void (*)(const Head<E>&, int64_t, int64_t, float, Scratch&);
+  Fn fn = head_plain<E>;
 #ifdef MILES_X86
-  if (detail::active_isa() == Isa::kAvx512) fn = head_avx512;
-  if (detail::active_isa() == Isa::kAvx2) fn = head_avx2;
+  if (detail::active_isa() == Isa::kAvx512) fn = head_avx512<E>;
+  if (detail::active_isa() == Isa::kAvx2) fn = head_avx2<E>;
 #endif
   Scratch& s = scratch();
   const int64_t d = a.head_dim;
+  const T* q = static_cast<const T*>(a.q);
+  const T* k = static_cast<const T*>(a.k);
+  const T* v = static_cast<const T*>(a.v);
+  T* out = static_cast<T*>(a.out);
   for (int64_t b = 0; b < a.n; ++b) {
+    const int64_t row = a.rows != nullptr ? a.rows[b] : b;
     for (int64_t kv = 0; kv < a.kv_heads; ++kv) {
-      const int64_t cache_off = (b * a.kv_heads + kv) * a.t_cap * d;
-      const Head h{a.q + b * a.q_stride_n + kv * a.q_stride_kv,
-                   a.q_stride_g,
-                   a.k + cache_off,
-                   a.v + cache_off,
-                   a.lengths[b],
-                   a.out + (b * a.kv_heads + kv) * a.group * d};
+      const int64_t cache_off = (row * a.kv_heads + kv) * a.t_cap * d;
+      const Head<E> h{q + b * a.q_stride_n + kv * a.q_stride_kv,
+                      a.q_stride_g,
+                      k + cache_off,
+                      v + cache_off,
+                      a.lengths[b],
+                      out + (b * a.kv_heads + kv) * a.group * d};
       fn(h, a.group, d, a.scale, s);
     }
   }
+}
+
+}  // namespace
+
+int64_t decode_attention(const DecodeAttention& a) {
+  for (int64_t b = 0; b < a.n; ++b) {
+    if (a.lengths[b] < 1 || a.lengths[b] > a.t_cap) return b + 1;
+    if (a.rows != nullptr && (a.rows[b] < 0 || a.rows[b] >= a.batch_cap)) return -(b + 1);
+  }
+  if (a.fp32)
+    run<F32>(a);
+  else
+    run<Bf16>(a);
   return 0;
 }
 

@@ -1,4 +1,4 @@
-"""The native bf16 decode attention (miles_rollout._ext) against the PyTorch eager path.
+"""The native decode attention (miles_rollout._ext; bf16, and fp32 below) against PyTorch.
 
 Measured on random inputs (q, K, V ~ N(0, 1) in bf16, ragged lengths up to 160, n up to 64;
 seeds below): 99.99% of outputs are bit-equal to the torch path; every difference is at most
@@ -114,6 +114,45 @@ def test_only_live_positions_are_read() -> None:
     assert torch.equal(out[1].view(torch.int16), v[1, :, :1].expand(2, 3, 64).view(torch.int16))
 
 
+@needs_native
+@pytest.mark.parametrize(("g", "d"), [(1, 16), (3, 64), (4, 128)])
+def test_float32_kernel_reads_rows_per_query_and_is_position_invariant(g: int, d: int) -> None:
+    """fp32 (the batch-invariant engine's attention): close to the eager maths, the same bits
+    on every instruction set, and each query's output independent of the others in the call
+    (the property prefix-cache hits rely on)."""
+    ext = _native.ext
+    assert ext is not None
+    gen = torch.Generator().manual_seed(g * d)
+    n, kv, t_cap = 23, 2, 70
+    qk = torch.randn(n, kv * g + kv, d, generator=gen)
+    q = qk[:, : kv * g].reshape(n, kv, g, d)
+    k = torch.randn(5, kv, t_cap, d, generator=gen)
+    v = torch.randn(5, kv, t_cap, d, generator=gen)
+    lengths = torch.randint(1, t_cap + 1, (n,), generator=gen)
+    rows = torch.randint(0, 5, (n,), generator=gen)
+    out = decode_attention(q, k, v, lengths, d**-0.5, rows=rows, backend="native")
+    ref = decode_attention(q, k, v, lengths, d**-0.5, rows=rows, backend="torch")
+    assert out.dtype == torch.float32
+    assert (out - ref).abs().max().item() < 2e-6
+    alone = [
+        decode_attention(q[i : i + 1], k, v, lengths[i : i + 1], d**-0.5, rows=rows[i : i + 1])
+        for i in range(n)
+    ]
+    assert torch.equal(torch.cat(alone), out)
+    start = ext.kernel_isa()
+    try:
+        for isa in ("avx2", "generic"):
+            if ext.use_isa(isa):
+                again = decode_attention(q, k, v, lengths, d**-0.5, rows=rows, backend="native")
+                assert torch.equal(again, out), isa
+    finally:
+        assert ext.use_isa(start)
+    bad = rows.clone()
+    bad[3] = 5
+    with pytest.raises(ValueError, match=r"rows\[3\] = 5"):
+        decode_attention(q, k, v, lengths, d**-0.5, rows=bad, backend="native")
+
+
 def test_bad_arguments_raise_clear_errors() -> None:
     q, k, v, lengths = _inputs(3, 2, 3, 64, 32, seed=3)
     for backend in ("auto", "torch") + (("native",) if _native.ext is not None else ()):
@@ -144,7 +183,7 @@ def test_missing_extension_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) 
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
     with pytest.raises(ValueError, match="not built"):
         decode_attention(q, k, v, lengths, 0.125, backend="native")
-    # float32 never uses the kernel; the torch path is the eager maths with a length mask.
+    # Without the kernel float32 takes the torch path: the eager maths with a length mask.
     qf, kf, vf = q.float(), k.float(), v.float()
     width = int(lengths.max())
     hidden = (torch.arange(width)[None, :] >= lengths[:, None])[:, None, None, :]

@@ -5,13 +5,23 @@ Why not call the HF model: for the small models a CPU rollout runs, the per-call
 matmuls. This module reads the weights of the loaded HF module directly (so a weight update of
 the HF parameters is seen here after :meth:`CausalLMRunner.refresh_weights`), fuses the q/k/v
 and gate/up projections, and keeps one pre-allocated KV cache in which every running request
-owns one row ("slot"). The maths follows ``transformers``' Qwen3 / Qwen2 / Llama code exactly
-(RMSNorm in float32, HF's rotary tables), so logprobs match a teacher-forced HF forward pass up
-to float rounding (see the package README for the measured tolerance).
+owns one row ("slot"), plus a token pool for the prefix cache (``_prefix_cache.py``). The
+maths follows ``transformers``' Qwen3 / Qwen2 / Llama code exactly (RMSNorm in float32, HF's
+rotary tables), so logprobs match a teacher-forced HF forward pass up to float rounding (see the
+package README for the measured tolerance).
+
+Batch invariance (float32 with the native kernel): a token's KV and logits get the same bits
+whether it is computed in a prefill of any width, beside any other requests, in a decode step,
+or after a prefix-cache hit. Attention runs per query token over exactly its row's live
+positions (``_decode_attention.py``), and every GEMM gets its rows padded to a multiple of
+``_ROW_ALIGN``: MKL's sgemm gives a row the same bits for any row count then, but rounds rows
+of 1-3-row products (and 2-thread splits of 5-7 or 9-11 rows) differently (measured here; the
+engine checks it per weight shape at start-up and gives up the claim if it fails).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -26,11 +36,17 @@ from miles_rollout._rms_norm import torch_rms_norm as _rms
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMRunner"]
 
+logger = logging.getLogger(__name__)
+
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 # Rope types whose tables do not change with the sequence length at run time.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # The KV cache grows in steps of this many positions (and doubles past it).
 _T_ALIGN = 128
+# Batch-invariant GEMMs: row counts padded to a multiple of this (see the module docstring).
+_ROW_ALIGN = 4
+# The prefix cache's token pool starts at this many slots and doubles up to its capacity.
+_POOL_START = 1024
 
 
 def check_supported(config: Any) -> None:
@@ -194,6 +210,30 @@ def _dlinear(
     return F.linear(x, w, b) if packed is None else _packed_linear(x, packed, b)
 
 
+def _aligned_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` with the rows padded to a multiple of ``_ROW_ALIGN`` (batch invariance)."""
+    rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    pad = -m % _ROW_ALIGN
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    out = F.linear(rows, w, b)
+    return (out[:m] if pad else out).reshape(*x.shape[:-1], w.shape[0])
+
+
+def _rows_are_invariant(w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether padded products give every row the same bits for any row count (this thread)."""
+    gen = torch.Generator().manual_seed(int(w.shape[0]) * 7919 + int(w.shape[1]))
+    x = torch.randn(24, w.shape[1], generator=gen).to(w.dtype)
+    ref = torch.cat([_aligned_linear(x[i : i + _ROW_ALIGN], w, bias) for i in range(0, 24, 4)])
+    return all(
+        torch.equal(_aligned_linear(x[off : off + m], w, bias), ref[off : off + m])
+        for m in (1, 3, 5, 9, 13, 21)
+        for off in (0, 3)
+        if off + m <= 24
+    )
+
+
 class CausalLMRunner:
     """Prefill and decode for a batch of requests, each owning one row of the KV cache.
 
@@ -249,12 +289,17 @@ class CausalLMRunner:
                 f"extension: {native_error() or 'loaded'}). Use kernel_backend='auto'."
             )
         self.native_attention: bool = native_ok and kernel_backend != "torch"
+        # float32 with the kernel: every token computed the same way (see the module docstring);
+        # confirmed per weight shape in refresh_weights.
+        self.batch_invariant: bool = self.native_attention and self.dtype == torch.float32
         # RMSNorm in one pass per row instead of ~8 PyTorch ops (19 norms per decode step for
         # 6 layers), for the row sizes where the kernel gives PyTorch's bits here.
         self._native_norm_sizes: frozenset[int] = frozenset(
             size
             for size, eps in self._norm_shapes(model)
-            if self.native_attention and native_rms_norm_is_exact(size, eps)
+            if self.native_attention
+            and self.dtype == torch.bfloat16
+            and native_rms_norm_is_exact(size, eps)
         )
         self._kv_size = self.num_kv_heads * self.head_dim
         with torch.inference_mode():
@@ -269,6 +314,9 @@ class CausalLMRunner:
         self._v: list[torch.Tensor] = []
         self._batch_cap = 0
         self._token_cap = 0
+        self._pool_k: list[torch.Tensor] = []  # per layer [slots, KV, D]: the prefix cache
+        self._pool_v: list[torch.Tensor] = []
+        self._checked_shapes: set[tuple[int, int]] = set()
         self.refresh_weights()
 
     @staticmethod
@@ -312,6 +360,31 @@ class CausalLMRunner:
             self._lm_head_p = self._pack(self._lm_head)
             self._layers = [_Layer(layer, self._pack) for layer in inner.layers]
 
+    def _check_invariance(self) -> None:
+        """Give up batch invariance if a weight shape's GEMM rows depend on the row count.
+
+        Runs before the first forward, on the thread that runs forwards (MKL's row splitting
+        depends on that thread's OpenMP team).
+        """
+        weights: list[tuple[torch.Tensor, torch.Tensor | None]] = [(self._lm_head, None)]
+        for layer in self._layers:
+            weights += [(layer.wqkv, layer.bqkv), (layer.o, layer.bo)]
+            weights += [(layer.gate_up, layer.gate_up_b), (layer.down, layer.down_b)]
+        for w, b in weights:
+            shape = (int(w.shape[0]), int(w.shape[1]))
+            if shape in self._checked_shapes:
+                continue
+            if not _rows_are_invariant(w, b):
+                logger.warning(
+                    "GEMM rows of shape %s depend on the row count in this torch build; the "
+                    "engine is not batch invariant (prefix-cache hits and batching change "
+                    "logprobs at float rounding level)",
+                    shape,
+                )
+                self.batch_invariant = False
+                return
+            self._checked_shapes.add(shape)
+
     # ---- cache -----------------------------------------------------------------------------
 
     def ensure_capacity(self, batch: int, tokens: int) -> None:
@@ -353,17 +426,136 @@ class CausalLMRunner:
             for t in cache:
                 t[d, :, :length] = t[s, :, :length]
 
+    # ---- prefix-cache pool -----------------------------------------------------------------
+
+    def ensure_pool(self, slots: int) -> None:
+        """Grow the prefix cache's token pool to at least ``slots`` tokens (keeps contents)."""
+        have = self._pool_k[0].shape[0] if self._pool_k else 0
+        if slots <= have:
+            return
+        new = max(slots, _POOL_START, 2 * have)
+        shape = (new, self.num_kv_heads, self.head_dim)
+        for pool in (self._pool_k, self._pool_v):
+            for i in range(len(self._layers)):
+                fresh = torch.zeros(shape, dtype=self.dtype)
+                if i < len(pool):
+                    fresh[:have] = pool[i]
+                    pool[i] = fresh
+                else:
+                    pool.append(fresh)
+
+    def pool_bytes(self, slots: int) -> int:
+        """Memory of ``slots`` pool tokens (keys and values of every layer)."""
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * len(self._layers) * slots * self._kv_size * itemsize
+
+    def release_pool(self) -> None:
+        """Free the prefix cache's pool memory."""
+        self._pool_k, self._pool_v = [], []
+
+    def save_to_pool(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Copy KV positions ``start .. start + len(slots) - 1`` of ``row`` into pool slots."""
+        self.ensure_pool(int(slots.max()) + 1)
+        end = start + slots.shape[0]
+        for cache, pool in ((self._k, self._pool_k), (self._v, self._pool_v)):
+            for c, p in zip(cache, pool):
+                p[slots] = c[row, :, start:end].transpose(0, 1)
+
+    def load_from_pool(self, row: int, slots: torch.Tensor) -> None:
+        """Copy pool slots into KV positions ``0 .. len(slots) - 1`` of ``row``."""
+        n = slots.shape[0]
+        self.ensure_capacity(row + 1, n)
+        for cache, pool in ((self._k, self._pool_k), (self._v, self._pool_v)):
+            for c, p in zip(cache, pool):
+                c[row, :, :n] = p[slots].transpose(0, 1)
+
     # ---- forward ---------------------------------------------------------------------------
 
-    def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
+    def prefill(
+        self, first_row: int, prompts: list[list[int]], starts: list[int] | None = None
+    ) -> torch.Tensor:
         """Run ``prompts`` into rows ``first_row ..``; return float32 logits at each last token.
 
-        Prompts are right-padded to a common length: with causal attention, no real position
-        attends to a pad position, so no padding mask is needed; the cache keeps the pad
+        ``starts[i]`` positions of row ``first_row + i`` already hold the KV of
+        ``prompts[i][:starts[i]]`` (copied from the prefix cache); only the rest is computed,
+        attending to them. Without starts (and without batch invariance), prompts are
+        right-padded to a common length and run with causal attention: no real position
+        attends to a pad position, so no padding mask is needed, and the cache keeps the pad
         positions as garbage past each row's length.
         """
-        if self._stale:
-            self.refresh_weights()
+        self._before_forward()
+        starts = [0] * len(prompts) if starts is None else starts
+        if not any(starts) and not self.batch_invariant:
+            return self._prefill_fresh(first_row, prompts)
+        m = len(prompts)
+        news = [len(p) - s for p, s in zip(prompts, starts)]
+        assert min(news) >= 1, (news, starts)
+        width = max(news)
+        ends = [len(p) for p in prompts]
+        self.ensure_capacity(first_row + m, max(ends))
+        ids = torch.zeros(m, width, dtype=torch.long)
+        for i, (p, s) in enumerate(zip(prompts, starts)):
+            ids[i, : len(p) - s] = torch.tensor(p[s:], dtype=torch.long)
+        start_t = torch.tensor(starts)
+        end_t = torch.tensor(ends)
+        # Position of each (row, column); pad columns repeat the row's last position.
+        pos = torch.minimum(start_t[:, None] + torch.arange(width)[None, :], end_t[:, None] - 1)
+        real = (torch.arange(width)[None, :] < torch.tensor(news)[:, None]).reshape(-1)
+        rows = (first_row + torch.arange(m))[:, None].expand(m, width).reshape(-1)
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        # Flat index of (real token, kv head) in a [B * KV * T, D] view of a layer's cache.
+        flat = (
+            ((rows[real] * nkv)[:, None] + torch.arange(nkv)[None, :]) * self._token_cap
+            + pos.reshape(-1)[real][:, None]
+        ).reshape(-1)
+        cos = self._cos[pos][:, :, None, :]  # [m, W, 1, D]
+        sin = self._sin[pos][:, :, None, :]
+        x = F.embedding(ids, self._embed)  # [m, W, hidden]
+        qk_size = self._q_size + self._kv_size
+        for li, layer in enumerate(self._layers):
+            h = self._norm(x, layer.in_w, layer.in_eps)
+            qkv = self._linear(h, layer.wqkv, layer.bqkv)
+            qk = qkv[..., :qk_size].view(m, width, nh + nkv, hd)
+            if layer.qk_norm is not None:
+                qk = self._norm(qk, layer.qk_norm, layer.qk_eps)
+            qk = _rope(qk, cos, sin)  # [m, W, H + KV, D]
+            k = qk[:, :, nh:].reshape(m * width, nkv, hd)
+            v = qkv[..., qk_size:].reshape(m * width, nkv, hd)
+            kc, vc = self._k[li], self._v[li]
+            kc.view(-1, hd).index_copy_(0, flat, k[real].reshape(-1, hd))
+            vc.view(-1, hd).index_copy_(0, flat, v[real].reshape(-1, hd))
+            q = qk[:, :, :nh].reshape(m * width, nkv, nh // nkv, hd)
+            if self.native_attention and (self.batch_invariant or self.dtype == torch.float32):
+                o = _native_attention(q, kc, vc, pos.reshape(-1) + 1, self.scale, rows)
+            else:
+                o = self._masked_prefill_attention(q, li, first_row, m, width, pos)
+            x = x + self._linear(o.reshape(m, width, self._q_size), layer.o, layer.bo)
+            x = x + self._mlp(x, layer)
+        last = x[torch.arange(m), torch.tensor(news) - 1]  # [m, hidden]
+        return self._logits(last)
+
+    def _masked_prefill_attention(
+        self, q: torch.Tensor, li: int, first_row: int, m: int, width: int, pos: torch.Tensor
+    ) -> torch.Tensor:
+        """PyTorch attention of prefill queries over their rows' cached and new positions."""
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        t = int(pos.max()) + 1
+        k = self._k[li][first_row : first_row + m, :, :t]  # [m, KV, T, D]
+        v = self._v[li][first_row : first_row + m, :, :t]
+        visible = torch.arange(t)[None, None, :] <= pos[:, :, None]  # [m, W, T]
+        q = q.reshape(m, width, nh, hd).transpose(1, 2)  # [m, H, W, D]
+        if self._eager_attention:
+            g = nh // nkv
+            qg = q.reshape(m, nkv, g * width, hd)
+            hidden = ~visible[:, None].repeat(1, 1, g, 1)  # [m, 1, G * W, T]
+            o = _eager_attention(qg, k, v, self.scale, hidden).reshape(m, nh, width, hd)
+        else:
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=visible[:, None], scale=self.scale, enable_gqa=nh != nkv
+            )
+        return o.transpose(1, 2).reshape(m * width, nkv, nh // nkv, hd)
+
+    def _prefill_fresh(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
         m = len(prompts)
         lens = [len(p) for p in prompts]
         width = max(lens)
@@ -402,6 +594,23 @@ class CausalLMRunner:
         last = x[torch.arange(m), torch.tensor(lens) - 1]  # [m, hidden]
         return self._logits(last)
 
+    def _before_forward(self) -> None:
+        if self._stale:
+            self.refresh_weights()
+        if self.batch_invariant and not self._checked_shapes:
+            self._check_invariance()
+
+    def _linear(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        packed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.batch_invariant:
+            return _aligned_linear(x, w, b)
+        return _dlinear(x, w, packed, b)
+
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
         """One decode step for rows ``0 .. n-1``; return float32 logits ``[n, vocab]``.
 
@@ -410,8 +619,7 @@ class CausalLMRunner:
             positions: ``[n]`` where that token goes (the row's current length).
             max_len: ``max(positions) + 1`` (passed in to avoid a tensor-to-Python sync).
         """
-        if self._stale:
-            self.refresh_weights()
+        self._before_forward()
         n = tokens.shape[0]
         self.ensure_capacity(n, max_len)
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
@@ -430,7 +638,7 @@ class CausalLMRunner:
         flat = (slot * self._token_cap + positions[:, None]).reshape(-1)
         for li, layer in enumerate(self._layers):
             h = self._norm(x, layer.in_w, layer.in_eps)
-            qkv = _dlinear(h, layer.wqkv, layer.wqkv_p, layer.bqkv)
+            qkv = self._linear(h, layer.wqkv, layer.bqkv, layer.wqkv_p)
             qk = qkv[:, :qk_size].view(n, nh + nkv, hd)
             if layer.qk_norm is not None:
                 qk = self._norm(qk, layer.qk_norm, layer.qk_eps)
@@ -450,16 +658,16 @@ class CausalLMRunner:
                     o = _eager_attention(q, k, v, self.scale, hidden_BKQT)
                 else:
                     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-            x = x + _dlinear(o.reshape(n, self._q_size), layer.o, layer.o_p, layer.bo)
+            x = x + self._linear(o.reshape(n, self._q_size), layer.o, layer.bo, layer.o_p)
             x = x + self._mlp(x, layer, packed=True)
         return self._logits(x, packed=True)
 
     def _mlp(self, x: torch.Tensor, layer: _Layer, *, packed: bool = False) -> torch.Tensor:
         h = self._norm(x, layer.post_w, layer.post_eps)
         gate_up_p, down_p = (layer.gate_up_p, layer.down_p) if packed else (None, None)
-        gate, up = _dlinear(h, layer.gate_up, gate_up_p, layer.gate_up_b).chunk(2, dim=-1)
-        return _dlinear(F.silu(gate) * up, layer.down, down_p, layer.down_b)
+        gate, up = self._linear(h, layer.gate_up, layer.gate_up_b, gate_up_p).chunk(2, dim=-1)
+        return self._linear(F.silu(gate) * up, layer.down, layer.down_b, down_p)
 
     def _logits(self, x: torch.Tensor, *, packed: bool = False) -> torch.Tensor:
         x = self._norm(x, self._norm_w, self._norm_eps)
-        return _dlinear(x, self._lm_head, self._lm_head_p if packed else None, None).float()
+        return self._linear(x, self._lm_head, None, self._lm_head_p if packed else None).float()

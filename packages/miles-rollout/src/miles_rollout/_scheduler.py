@@ -5,6 +5,11 @@ Other threads talk to it only through :meth:`Scheduler.add` (a new request) and
 weight updates, checksums). Each iteration admits waiting requests (one batched prefill),
 then runs one decode step over every running request; finished requests leave the batch at
 once and their cache rows are refilled by compaction.
+
+With a prefix cache (``_prefix_cache.py``), admission copies the longest cached prefix of each
+request into its row and prefills only the rest; a request that finishes, is aborted or is
+retracted leaves its KV in the cache. KV computed before a weight update never enters the
+cache after it: each request remembers the cache epoch it was admitted in.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from miles_rollout._model import CausalLMRunner
+from miles_rollout._prefix_cache import RadixCache
 from miles_rollout._sampling import BatchSampler, uniform
 from miles_rollout.outputs import FinishReason, GenerateOutput
 from miles_rollout.sampling_params import SamplingParams
@@ -56,6 +62,8 @@ class Request:
     # The engine's weight version when each output token was sampled.
     output_weight_versions: list[str] = field(default_factory=list)
     cached_tokens: int = 0
+    admitted: bool = False  # prefilled at least once (cached_tokens is counted then)
+    cache_epoch: int = -1  # the prefix cache's epoch when its KV was (re)computed
 
 
 @dataclass(eq=False, slots=True)
@@ -75,8 +83,11 @@ class Scheduler:
         tokenizer: Any,
         weight_version: Callable[[], str],
         num_threads: int | None = None,
+        prefix_cache: RadixCache | None = None,
     ) -> None:
         self.runner = runner
+        self.cache = prefix_cache
+        self._cache_epoch = 0
         self._num_threads = num_threads
         self.max_running = max_running
         self.tokenizer = tokenizer
@@ -88,6 +99,8 @@ class Scheduler:
         self.paused = False
         self.generated_tokens = 0  # cumulative, for metrics
         self.prefill_tokens = 0  # cumulative unique (unpadded) prompt tokens run through prefill
+        self.prompt_tokens = 0  # cumulative prompt tokens of admitted requests (first admission)
+        self.cached_prompt_tokens = 0  # of which served from the prefix cache
         self._stopping = False
         self._closed = False
         self._inbox_lock = threading.Lock()
@@ -149,13 +162,19 @@ class Scheduler:
             self.abort_all("aborted by pause_generation(mode='abort')")
         elif mode == "retract":
             # Retracted requests keep their output and are re-prefilled (prompt + output) on
-            # continue; they go back to the front of the queue in their current order.
+            # continue; they go back to the front of the queue in their current order. Their
+            # KV goes to the prefix cache, so the re-prefill is mostly a copy.
+            for row, req in enumerate(self.running):
+                self._cache_store(req, row)
             self.waiting.extendleft(reversed(self.running))
             self.running = []
             self._sampler = None
 
-    def abort_all(self, message: str) -> int:
+    def abort_all(self, message: str, *, cache: bool = True) -> int:
         """Finish every running and waiting request with finish reason ``abort``."""
+        if cache:
+            for row, req in enumerate(self.running):
+                self._cache_store(req, row)
         reqs = [*self.running, *self.waiting]
         self.running, self._sampler = [], None
         self.waiting.clear()
@@ -167,6 +186,7 @@ class Scheduler:
         """Abort one request by id; return whether it was found."""
         for i, req in enumerate(self.running):
             if req.rid == rid:
+                self._cache_store(req, i)
                 self._remove_rows([i])
                 self._finish(req, FinishReason(type="abort", message="aborted by request"))
                 return True
@@ -178,11 +198,29 @@ class Scheduler:
         return False
 
     def flush_cache(self) -> bool:
-        """Free the KV cache memory when idle (SGLang refuses while requests are in flight)."""
+        """Drop the prefix cache and free KV memory when idle (SGLang refuses while requests
+        are in flight)."""
         if self.running or self.waiting:
             return False
+        self.invalidate_cache()
         self.runner.release()
         return True
+
+    def invalidate_cache(self) -> None:
+        """Drop the prefix cache now (after a weight update): requests in flight keep their
+        rows, but their KV (computed partly with the old weights) is never cached."""
+        self._cache_epoch += 1
+        if self.cache is not None:
+            self.cache.flush()
+        self.runner.release_pool()
+
+    def _cache_store(self, req: Request, row: int) -> None:
+        """Put the KV of ``req`` (in cache row ``row``) into the prefix cache."""
+        if self.cache is None or req.cache_epoch != self._cache_epoch or not req.output_ids:
+            return
+        # The last sampled token was never fed to the model: its KV does not exist yet.
+        tokens = [*req.prompt, *req.output_ids[:-1]]
+        self.cache.insert(tokens, lambda start, slots: self.runner.save_to_pool(row, start, slots))
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -206,13 +244,15 @@ class Scheduler:
                         self._decode_step()
                 except Exception as exc:  # a bug or resource error: fail in-flight requests
                     logger.exception("engine step failed; failing in-flight requests")
+                    if self.cache is not None:  # a copy may have stopped half way
+                        self.invalidate_cache()
                     reqs = [*self.running, *self._admitting, *self.waiting]
                     self.running, self._admitting, self._sampler = [], [], None
                     self.waiting.clear()
                     for req in reqs:
                         if not req.future.done():
                             req.future.set_exception(exc)
-            self.abort_all("the engine was shut down")
+            self.abort_all("the engine was shut down", cache=False)
             # stop() closed the inbox before queueing the sentinel, so nothing follows it.
             assert self._inbox.empty()
 
@@ -273,26 +313,36 @@ class Scheduler:
             firsts.append(self.waiting.popleft())
         # Off the queue but not yet running: a failed prefill must still fail these futures.
         self._admitting = firsts + [r for r, _ in dups]
+        seqs_all = [r.prompt + r.output_ids for r in firsts]
+        hits = [self._match(seq) for seq in seqs_all]
+        for req, (n, _) in zip(firsts, hits):
+            self._count_admission(req, n)
+        for req, j in dups:
+            self._count_admission(req, hits[j][0])
         # Shortest first, cut into chunks whose right-padding stays small: prefill is
         # compute-bound, so padded positions cost as much as real ones.
-        order = sorted(
-            range(len(firsts)), key=lambda i: len(firsts[i].prompt) + len(firsts[i].output_ids)
-        )
+        order = sorted(range(len(firsts)), key=lambda i: len(seqs_all[i]) - hits[i][0])
         rank = {old: new for new, old in enumerate(order)}
         firsts = [firsts[i] for i in order]
-        seqs = [r.prompt + r.output_ids for r in firsts]
+        seqs = [seqs_all[i] for i in order]
+        starts = [hits[i][0] for i in order]
         first_row = len(self.running)
-        self.prefill_tokens += sum(len(s) for s in seqs)
+        for i in order:
+            n, slots = hits[i]
+            if n:
+                self.runner.load_from_pool(first_row + rank[i], slots)
+        news = [len(s) - st for s, st in zip(seqs, starts)]
+        self.prefill_tokens += sum(news)
         parts: list[torch.Tensor] = []
         start = 0
         while start < len(seqs):
-            end, real = start + 1, len(seqs[start])
-            while end < len(seqs) and len(seqs[end]) * (end - start + 1) <= _MAX_PAD_RATIO * (
-                real + len(seqs[end])
+            end, real = start + 1, news[start]
+            while end < len(seqs) and news[end] * (end - start + 1) <= _MAX_PAD_RATIO * (
+                real + news[end]
             ):
-                real += len(seqs[end])
+                real += news[end]
                 end += 1
-            parts.append(self.runner.prefill(first_row + start, seqs[start:end]))
+            parts.append(self.runner.prefill(first_row + start, seqs[start:end], starts[start:end]))
             start = end
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         if dups:
@@ -304,10 +354,27 @@ class Scheduler:
             )
             logits = torch.cat([logits, logits[torch.tensor(src)]])
         batch = firsts + [r for r, _ in dups]
+        for req in batch:
+            req.cache_epoch = self._cache_epoch
         self.running.extend(batch)
         self._admitting = []
         self._sampler = None
         self._sample_and_finish(logits, rows=range(first_row, first_row + len(batch)))
+
+    def _match(self, seq: list[int]) -> tuple[int, torch.Tensor]:
+        """The cached prefix of ``seq`` to reuse; the last token is always recomputed (its
+        logits start the request)."""
+        if self.cache is None:
+            return 0, torch.empty(0, dtype=torch.int64)
+        return self.cache.match(seq[: len(seq) - 1])
+
+    def _count_admission(self, req: Request, hit: int) -> None:
+        if req.admitted:  # a retracted request: counted at its first admission (as SGLang)
+            return
+        req.admitted = True
+        req.cached_tokens = hit
+        self.cached_prompt_tokens += hit
+        self.prompt_tokens += len(req.prompt)
 
     def _decode_step(self) -> None:
         reqs = self.running
@@ -337,6 +404,8 @@ class Scheduler:
             if reason is not None:
                 finished.append((i, reason))
         if finished:
+            for i, _ in finished:
+                self._cache_store(reqs[i - rows.start], i)
             self._remove_rows([i for i, _ in finished])
             for i, reason in finished:
                 # _remove_rows reorders self.running, so look requests up before it: they are

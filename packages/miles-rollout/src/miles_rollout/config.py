@@ -36,12 +36,20 @@ class EngineConfig:
             per-op overhead and one thread is as fast as two, and a second OpenMP team would
             spin on the cores the trainer needs next.
         weight_version: the version string reported with the initial weights.
-        kernel_backend: the engine's bf16 kernels (decode attention and RMSNorm): ``"auto"``
+        kernel_backend: the engine's kernels (attention, and RMSNorm for bf16): ``"auto"``
             (the C++ kernels of ``miles_rollout._ext`` when they are built, else PyTorch
             ops), ``"native"`` (the kernels, or a ``ValueError`` at build time if they are
             missing) or ``"torch"`` (PyTorch ops only). Both compute transformers' eager bf16
             maths: RMSNorm bit for bit, attention outputs equal or 1 bf16 ulp apart (see
-            ``_decode_attention.py``). float32 always runs PyTorch ops.
+            ``_decode_attention.py``). In float32 the kernel's attention makes the engine
+            batch invariant (a token's logprob does not depend on what it was batched with,
+            nor on a prefix-cache hit; see ``_model.py``); without it float32 runs SDPA.
+        enable_prefix_cache: keep finished requests' KV in a radix tree over token ids and
+            reuse the longest cached prefix of each new request (SGLang's radix cache;
+            ``--disable-radix-cache`` there). Weight updates drop it.
+        prefix_cache_tokens: the prefix cache's capacity in tokens. ``None``: as many as
+            512 MiB of keys and values (all layers, the engine dtype) hold, at least twice
+            the context length. Memory is taken as the cache fills, not up front.
     """
 
     model_path: str
@@ -52,6 +60,8 @@ class EngineConfig:
     num_threads: int | None = None
     weight_version: str = "0"
     kernel_backend: str = "auto"
+    enable_prefix_cache: bool = True
+    prefix_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -68,6 +78,11 @@ class EngineConfig:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if not isinstance(self.weight_version, str):
             raise ValueError(f"weight_version must be a string, got {self.weight_version!r}")
+        if self.prefix_cache_tokens is not None and self.prefix_cache_tokens < 1:
+            raise ValueError(
+                f"prefix_cache_tokens must be at least 1 (or None for the default), got "
+                f"{self.prefix_cache_tokens}; use enable_prefix_cache=False to turn it off"
+            )
         if self.kernel_backend not in ("auto", "native", "torch"):
             raise ValueError(
                 "kernel_backend must be one of ['auto', 'native', 'torch'], got "

@@ -24,6 +24,7 @@ from typing import Any, cast
 import torch
 
 from miles_rollout._model import CausalLMRunner
+from miles_rollout._prefix_cache import RadixCache
 from miles_rollout._scheduler import PauseMode, Request, Scheduler
 from miles_rollout._weights import (
     check_checkpoint_dir,
@@ -42,6 +43,8 @@ __all__ = ["Engine"]
 logger = logging.getLogger(__name__)
 
 _PAUSE_MODES = ("abort", "retract", "in_place")
+# Default prefix-cache budget (keys and values of every layer); see EngineConfig.
+_PREFIX_CACHE_DEFAULT_BYTES = 512 << 20
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -97,12 +100,20 @@ class Engine:
         )
         self.vocab_size = runner.vocab_size
         self._runner = runner
+        self._prefix_cache: RadixCache | None = None
+        if config.enable_prefix_cache:
+            capacity = config.prefix_cache_tokens
+            if capacity is None:
+                per_token = runner.pool_bytes(1)
+                capacity = max(_PREFIX_CACHE_DEFAULT_BYTES // per_token, 2 * ctx)
+            self._prefix_cache = RadixCache(capacity)
         self._scheduler = Scheduler(
             runner,
             max_running=config.max_running_requests,
             tokenizer=self.tokenizer,
             weight_version=lambda: self._weight_version,
             num_threads=config.num_threads,
+            prefix_cache=self._prefix_cache,
         )
 
     # ---- generation --------------------------------------------------------------------------
@@ -238,11 +249,8 @@ class Engine:
         return int(self._scheduler.call(lambda: self._scheduler.abort(rid)))
 
     def flush_cache(self) -> bool:
-        """Free the KV cache memory; refused (False) while requests are in flight, as in SGLang.
-
-        The engine has no prefix cache, so nothing computed with old weights outlives the
-        requests that made it.
-        """
+        """Drop the prefix cache and free KV memory; refused (False) while requests are in
+        flight, as in SGLang. Weight updates drop the prefix cache themselves."""
         return self._scheduler.call(self._scheduler.flush_cache)
 
     # ---- weights -----------------------------------------------------------------------------
@@ -274,13 +282,15 @@ class Engine:
         Every name, shape and dtype is checked before anything is written; on error the old
         weights and version stay and the engine keeps serving. Tensors are cast to the
         engine's dtype. The update runs between two decode steps: requests in flight continue
-        with the new weights (their earlier tokens came from the old ones). Both names of tied
-        embeddings are accepted.
+        with the new weights (their earlier tokens came from the old ones; see
+        ``GenerateOutput.output_weight_versions``). Both names of tied embeddings are accepted.
 
         Args:
             named_tensors: ``(name, tensor)`` pairs.
             weight_version: the new version string, if given.
-            flush_cache: free the KV cache memory if idle (see :meth:`flush_cache`).
+            flush_cache: drop the prefix cache (KV computed with the old weights), as SGLang's
+                ``flush_cache`` after an update; requests in flight keep their own KV but do
+                not enter the cache. ``False`` keeps stale entries (SGLang's behaviour too).
 
         Raises:
             ValueError: unknown names, wrong shapes or non-float dtypes (all listed).
@@ -297,7 +307,9 @@ class Engine:
             if weight_version is not None:
                 self._weight_version = weight_version
             if flush_cache:
-                self._scheduler.flush_cache()
+                self._scheduler.invalidate_cache()
+                if not (self._scheduler.running or self._scheduler.waiting):
+                    self._runner.release()
 
         self._scheduler.call(apply)
 
@@ -307,6 +319,7 @@ class Engine:
         *,
         weight_version: str | None = None,
         abort_all_requests: bool = False,
+        flush_cache: bool = True,
     ) -> None:
         """Load every ``*.safetensors`` tensor of a checkpoint directory (all or nothing).
 
@@ -319,7 +332,9 @@ class Engine:
         tensors = load_safetensors_dir(model_path)
         if abort_all_requests:
             self.abort_request(abort_all=True)
-        self.update_weights_from_tensor(tensors, weight_version=weight_version)
+        self.update_weights_from_tensor(
+            tensors, weight_version=weight_version, flush_cache=flush_cache
+        )
         self.model_path = str(Path(model_path).resolve())
 
     def weights_checksum(self, names: Sequence[str] | None = None) -> dict[str, str]:
@@ -366,6 +381,8 @@ class Engine:
             "max_running_requests": self.config.max_running_requests,
             "dtype": self.config.dtype,
             "random_seed": self.config.seed,
+            "disable_radix_cache": self._prefix_cache is None,
+            "batch_invariant": self._runner.batch_invariant,
             "weight_version": self._weight_version,
             "version": __version__,
             "engine": "miles-rollout",
@@ -376,8 +393,30 @@ class Engine:
                     "paused": sched.paused,
                     "num_generated_tokens": sched.generated_tokens,
                     "num_prefill_tokens": sched.prefill_tokens,
+                    "num_prompt_tokens": sched.prompt_tokens,
+                    "num_cached_prompt_tokens": sched.cached_prompt_tokens,
+                    "cache_hit_rate": (
+                        sched.cached_prompt_tokens / sched.prompt_tokens
+                        if sched.prompt_tokens
+                        else 0.0
+                    ),
+                    **self._cache_state(),
                 }
             ],
+        }
+
+    def _cache_state(self) -> dict[str, Any]:
+        cache = self._prefix_cache
+        if cache is None:
+            return {"prefix_cache": False}
+        st = cache.stats
+        return {
+            "prefix_cache": True,
+            "prefix_cache_tokens": st.cached_tokens,
+            "prefix_cache_capacity_tokens": st.capacity_tokens,
+            "prefix_cache_inserted_tokens": st.inserted_tokens,
+            "prefix_cache_evicted_tokens": st.evicted_tokens,
+            "prefix_cache_flushes": st.flushes,
         }
 
     def health(self) -> bool:
