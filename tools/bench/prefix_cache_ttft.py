@@ -130,9 +130,9 @@ def main() -> None:
     print("turn | prompt | cached | no cache | with cache | floor | speed-up | cache/floor")
     for k in sorted(with_cache):
         c, p, f = (statistics.median(d[k]) * 1e3 for d in (with_cache, without, floor))
-        hit = statistics.median(hits[k])
+        median_hit = statistics.median(hits[k])
         print(
-            f"{k:4d} | {lengths[k]:6d} | {hit:6.0f} | {p:8.1f} | {c:10.1f} | {f:5.1f} | "
+            f"{k:4d} | {lengths[k]:6d} | {median_hit:6.0f} | {p:8.1f} | {c:10.1f} | {f:5.1f} | "
             f"{p / c:7.2f}x | {c / f:10.2f}x"
         )
     print(
