@@ -107,3 +107,38 @@ def scenario_config(model_dir: str, dtype: str = "float32") -> TrainerConfig:
 def run_scenario(trainer: FSDPTrainer) -> list[dict[str, float]]:
     """Two train steps on 5-sample batches (ranks get 3 and 2 samples: a filler pass)."""
     return [trainer.train_step(make_batch(5, seed=s)) for s in (11, 12)]
+
+
+def multiturn_batch(n: int, *, seed: int = 0, group_size: int = 2) -> TrainBatch:
+    """Agentic samples: turns of generated tokens with tool outputs (mask 0) between them, the
+    turns produced by different weight versions, rewards per sample, groups of prompts."""
+    rng = random.Random(seed)
+    tokens, lengths, masks, rollout, versions, rewards = [], [], [], [], [], []
+    for _ in range(n):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+        response, mask, ver = [], [], []
+        for turn in range(rng.randint(1, 3)):
+            if turn:  # a tool output between turns: not trained on
+                k = rng.randint(1, 4)
+                response += [rng.randrange(VOCAB) for _ in range(k)]
+                mask += [0] * k
+                ver += [None] * k
+            k = rng.randint(1, 5)
+            response += [rng.randrange(VOCAB) for _ in range(k)]
+            mask += [1] * k
+            ver += [str(3 + turn)] * k
+        tokens.append(prompt + response)
+        lengths.append(len(response))
+        masks.append(mask)
+        rollout.append([-3.0 + rng.uniform(-0.5, 0.5) for _ in response])
+        versions.append(ver)
+        rewards.append(float(rng.randint(0, 1)))
+    return TrainBatch(
+        tokens=tokens,
+        response_lengths=lengths,
+        loss_masks=masks,
+        rollout_logprobs=rollout,
+        rewards=rewards,
+        group_ids=[i // group_size for i in range(n)],
+        weight_versions=versions,
+    )

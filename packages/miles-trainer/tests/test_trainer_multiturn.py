@@ -5,13 +5,12 @@ input (disagreeing samples, non-finite losses)."""
 from __future__ import annotations
 
 import dataclasses
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _trainer_testlib import VOCAB, full_params
+from _trainer_testlib import full_params, multiturn_batch
 
 from miles_trainer import (
     AdvantageConfig,
@@ -35,41 +34,6 @@ def _cfg(model_dir: Path, **kw: Any) -> TrainerConfig:
     base: dict[str, Any] = {"model_path": str(model_dir), "lr": 1e-3, "eps": 1e-6}
     base.update(kw)
     return TrainerConfig(**base)
-
-
-def multiturn_batch(n: int, *, seed: int = 0, group_size: int = 2) -> TrainBatch:
-    """Agentic samples: turns of generated tokens with tool outputs (mask 0) between them, the
-    turns produced by different weight versions, rewards per sample, groups of prompts."""
-    rng = random.Random(seed)
-    tokens, lengths, masks, rollout, versions, rewards = [], [], [], [], [], []
-    for _ in range(n):
-        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
-        response, mask, ver = [], [], []
-        for turn in range(rng.randint(1, 3)):
-            if turn:  # a tool output between turns: not trained on
-                k = rng.randint(1, 4)
-                response += [rng.randrange(VOCAB) for _ in range(k)]
-                mask += [0] * k
-                ver += [None] * k
-            k = rng.randint(1, 5)
-            response += [rng.randrange(VOCAB) for _ in range(k)]
-            mask += [1] * k
-            ver += [str(3 + turn)] * k
-        tokens.append(prompt + response)
-        lengths.append(len(response))
-        masks.append(mask)
-        rollout.append([-3.0 + rng.uniform(-0.5, 0.5) for _ in response])
-        versions.append(ver)
-        rewards.append(float(rng.randint(0, 1)))
-    return TrainBatch(
-        tokens=tokens,
-        response_lengths=lengths,
-        loss_masks=masks,
-        rollout_logprobs=rollout,
-        rewards=rewards,
-        group_ids=[i // group_size for i in range(n)],
-        weight_versions=versions,
-    )
 
 
 def _step_capturing_grads(
