@@ -34,7 +34,7 @@ def key_status(module: str, extra: str, keys: Sequence[str]) -> tuple[bool, str]
         return False, f"SDK not installed: pip install 'miles-env[{extra}]'"
     missing = [k for k in keys if not os.environ.get(k)]
     if missing:
-        return False, f"{' and '.join(missing)} not set (needs a {extra} account and network)"
+        return False, f"{' and '.join(missing)} not set (needs an account with {extra} and network)"
     return True, ""
 
 

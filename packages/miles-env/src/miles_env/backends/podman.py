@@ -150,8 +150,6 @@ class PodmanSandbox(Sandbox):
             f"fsize={spec.disk_mb * 1024 * 1024}",
             "--tmpfs",
             f"/tmp:size={spec.disk_mb}m,mode=1777",
-            "--workdir",
-            spec.workdir,
         )
         for k, v in spec.env.items():
             argv += ["--env", f"{k}={v}"]
@@ -160,7 +158,7 @@ class PodmanSandbox(Sandbox):
         if rc != 0:
             raise RuntimeError(f"podman run failed: {err.decode(errors='replace').strip()}")
         sb = cls(spec, name, max_output_bytes=max_output_bytes)
-        r = await sb.exec(["mkdir", "-p", spec.workdir])
+        r = await sb.exec(["mkdir", "-p", spec.workdir], cwd="/")
         if r.exit_code != 0:
             await sb.close()
             raise RuntimeError(f"podman sandbox: cannot make workdir: {r.stderr.strip()}")

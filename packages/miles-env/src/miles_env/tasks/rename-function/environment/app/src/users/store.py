@@ -1,0 +1,1 @@
+USERS = {1: {"name": "ada"}, 2: {"name": "grace"}}

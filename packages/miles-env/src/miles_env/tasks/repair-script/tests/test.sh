@@ -1,0 +1,8 @@
+#!/bin/bash
+# Verifier of repair-script: reward 1 when /tests/check.py passes, else 0.
+mkdir -p /logs/verifier
+if python3 /tests/check.py; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
