@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_env._files import pack_dir, unpack_tar
 from miles_env.backends.cgroups import CgroupHost, SandboxCgroups, remove_stale
 from miles_env.sandbox import Command, Sandbox, SandboxClosedError, argv_of, check_env
 from miles_env.spec import ExecResult, SandboxSpec
@@ -285,6 +286,28 @@ class LocalSandbox(Sandbox):
         if raw.returncode != 0:
             err = raw.stderr.decode(errors="replace").strip()
             raise OSError(f"write_file {p} failed (exit {raw.returncode}): {err}")
+
+    async def upload_dir(self, local_dir: str | Path, remote_dir: str) -> None:
+        src = Path(local_dir)
+        if not src.is_dir():
+            raise FileNotFoundError(f"upload_dir: {src} is not a directory")
+        data = await asyncio.to_thread(pack_dir, src)
+        dest = self.resolve(remote_dir)
+        script = 'mkdir -p -- "$1" && tar -C "$1" -xf -'
+        raw = await self._run(["/bin/sh", "-c", script, "sh", dest], stdin=data)
+        if raw.returncode != 0:
+            err = raw.stderr.decode(errors="replace").strip()
+            raise OSError(f"upload_dir to {dest} failed (exit {raw.returncode}): {err}")
+
+    async def download_dir(self, remote_dir: str, local_dir: str | Path) -> None:
+        src = self.resolve(remote_dir)
+        raw = await self._run(["tar", "-C", src, "-cf", "-", "."])
+        if raw.returncode != 0:
+            err = raw.stderr.decode(errors="replace").strip()
+            raise FileNotFoundError(f"download_dir: {src}: {err}")
+        if raw.truncated:
+            raise OSError(f"download_dir: {src} is larger than max_output_bytes={self._max_output}")
+        await asyncio.to_thread(unpack_tar, raw.stdout, Path(local_dir))
 
     # -- running one command -----------------------------------------------------------------
 
