@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -c constraints.txt
-PACKAGES := packages/miles-transfer packages/miles-rollout packages/miles-trainer packages/miles-quant packages/miles-offload
+PACKAGES := packages/miles-transfer packages/miles-rollout packages/miles-trainer packages/miles-quant packages/miles-offload packages/miles-env
 STAMP := $(VENV)/.miles-setup
 # miles-quant's C++ extension (native/quant) is compiled by its editable install: rebuild it when
 # the C++ sources change. A C++17 compiler is needed; CMake and Ninja come from PyPI if missing.
@@ -30,10 +30,10 @@ $(STAMP): constraints.txt requirements-dev.txt $(foreach p,$(PACKAGES) packages/
 	@command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || { \
 	  echo "miles-quant needs a C++ compiler: apt-get install g++"; \
 	  apt-get update -qq && apt-get install -y -qq g++; }
-	@[ -f /usr/include/liburing.h ] && command -v fio >/dev/null 2>&1 || { \
-	  echo "miles-offload wants liburing-dev (io_uring) and fio (benchmarks): apt-get install"; \
-	  apt-get update -qq && apt-get install -y -qq liburing-dev fio || \
-	  echo "WARNING: could not install liburing-dev/fio: the pager builds without io_uring"; }
+	@[ -f /usr/include/liburing.h ] && command -v fio >/dev/null 2>&1 && command -v bwrap >/dev/null 2>&1 || { \
+	  echo "miles-offload wants liburing-dev (io_uring) and fio (benchmarks), miles-env bubblewrap (local sandboxes): apt-get install"; \
+	  apt-get update -qq && apt-get install -y -qq liburing-dev fio bubblewrap || \
+	  echo "WARNING: could not install liburing-dev/fio/bubblewrap: the pager builds without io_uring, local sandbox tests are skipped"; }
 	$(PY) -m venv $(VENV)
 	$(PIP) -q torch==2.13.0
 	$(PIP) -q $(foreach p,$(PACKAGES),-e $(p)) -e 'packages/miles[all]' -r requirements-dev.txt

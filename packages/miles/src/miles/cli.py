@@ -3,6 +3,7 @@
     miles train RECIPE [--set section.key=value ...] [--steps N] [--out DIR]
     miles recipes
     miles plot RUN_DIR
+    miles env check [DIR] [--policy oracle|noop] [--json]   (needs miles[env])
 
 RECIPE is a built-in name (``arith-tiny``), a YAML file or a Python file with ``recipe()``.
 Mistakes in the input (missing checkpoint, malformed recipe, unknown key, prompt longer than
@@ -71,6 +72,15 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env(args: argparse.Namespace) -> int:
+    """``miles env ...``: the miles-env command line (sandboxes, Harbor task checks)."""
+    try:
+        from miles_env.cli import main as env_main
+    except ImportError as e:
+        raise ImportError("miles env needs miles-env: pip install 'miles[env]'") from e
+    return env_main((["--help"] if args.env_help else []) + list(args.env_args), prog="miles env")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     p = argparse.ArgumentParser(prog="miles", description="RL post-training for LLMs.")
@@ -92,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="(re)draw a run's reward curve PNG")
     pl.add_argument("run_dir")
     pl.set_defaults(fn=_plot)
+    # Everything after `env` goes to miles-env's own parser (imported only when used).
+    e = sub.add_parser("env", help="sandboxes and Harbor task checks (miles-env)", add_help=False)
+    e.add_argument("-h", "--help", action="store_true", dest="env_help")
+    e.add_argument("env_args", nargs=argparse.REMAINDER)
+    e.set_defaults(fn=_env)
     return p
 
 
