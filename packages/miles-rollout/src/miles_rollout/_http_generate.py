@@ -23,6 +23,7 @@ _SUPPORTED = {
     "return_text_in_logprobs",
     "data_parallel_rank",
     "routed_dp_rank",
+    "routing_key",
 }
 # Bookkeeping fields that do not change the result: accepted with any value and ignored
 # (sglang-router 0.3.2 sends ``log_metrics: true`` on every request).
@@ -31,7 +32,6 @@ _IGNORED = {
     "priority",
     "custom_labels",
     "conversation_id",
-    "routing_key",
     "session_id",
     "received_time",
     "external_trace_header",
@@ -53,6 +53,8 @@ class GenerateItem:
     return_logprob: bool
     rid: str | None
     text_in_logprobs: bool
+    data_parallel_rank: int | None = None
+    routing_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -79,11 +81,10 @@ def parse_generate(body: dict[str, Any], tokenizer: Any) -> ParsedGenerate:
         )
     if body.get("top_logprobs_num") not in (None, 0):
         raise ValueError("top_logprobs_num is not supported; only sampled-token logprobs")
-    if body.get("data_parallel_rank") not in (None, 0) or body.get("routed_dp_rank") not in (
-        None,
-        0,
-    ):
-        raise ValueError("this server has dp_size 1; data_parallel_rank must be 0 or absent")
+    dp_rank = _dp_rank(body)
+    routing_key = body.get("routing_key")
+    if routing_key is not None and not isinstance(routing_key, str):
+        raise ValueError(f"routing_key must be a string, got {routing_key!r}")
 
     prompts, is_batch = _prompts(body, tokenizer)
     n = len(prompts)
@@ -105,9 +106,25 @@ def parse_generate(body: dict[str, Any], tokenizer: Any) -> ParsedGenerate:
                 return_logprob=bool(logprob[i]),
                 rid=rid,
                 text_in_logprobs=text_lp,
+                data_parallel_rank=dp_rank,
+                routing_key=routing_key,
             )
         )
     return ParsedGenerate(items=items, is_batch=is_batch)
+
+
+def _dp_rank(body: dict[str, Any]) -> int | None:
+    """``data_parallel_rank`` (sglang-router's ``--dp-aware`` field) or its alias
+    ``routed_dp_rank``; the engine checks that the rank exists."""
+    ranks = [body[k] for k in ("data_parallel_rank", "routed_dp_rank") if body.get(k) is not None]
+    if len(ranks) == 2 and ranks[0] != ranks[1]:
+        raise ValueError(f"data_parallel_rank and routed_dp_rank disagree: {ranks}")
+    if not ranks:
+        return None
+    rank = ranks[0]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ValueError(f"data_parallel_rank must be a non-negative integer, got {rank!r}")
+    return rank
 
 
 def response_dict(

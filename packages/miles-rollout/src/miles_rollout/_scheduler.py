@@ -62,6 +62,7 @@ class Request:
     # The engine's weight version when each output token was sampled.
     output_weight_versions: list[str] = field(default_factory=list)
     cached_tokens: int = 0
+    session: str | None = None  # the routing key (X-SMG-Routing-Key) of its session
     admitted: bool = False  # prefilled at least once (cached_tokens is counted then)
     cache_epoch: int = -1  # the prefix cache's epoch when its KV was (re)computed
 
@@ -84,6 +85,7 @@ class Scheduler:
         weight_version: Callable[[], str],
         num_threads: int | None = None,
         prefix_cache: RadixCache | None = None,
+        name: str = "miles-engine",
     ) -> None:
         self.runner = runner
         self.cache = prefix_cache
@@ -105,7 +107,7 @@ class Scheduler:
         self._closed = False
         self._inbox_lock = threading.Lock()
         self._sampler: BatchSampler | None = None
-        self._thread = threading.Thread(target=self._main, name="miles-engine", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         # torch.set_num_threads sets the calling thread's OpenMP team size (thread-local) and
         # also process-wide defaults (the value new threads start from, MKL's count). The
         # engine thread sets its own size first; the caller then puts the process-wide values
@@ -138,9 +140,13 @@ class Scheduler:
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the scheduler thread between two steps and return its result."""
         assert threading.current_thread() is not self._thread, "call() from the engine thread"
+        return self.post(fn).result()
+
+    def post(self, fn: Callable[[], T]) -> Future[T]:
+        """Queue ``fn`` for the scheduler thread (between two steps); return its future."""
         fut: Future[T] = Future()
         self._put(_Call(fn, fut))
-        return fut.result()
+        return fut
 
     def stop(self) -> None:
         """Abort every request and end the thread (idempotent)."""

@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--num-threads", type=int, default=None)
     s.add_argument("--weight-version", default="0")
+    s.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks in this server")
+    s.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
+    s.add_argument("--prefix-cache-tokens", type=int, default=None)
     from miles_rollout.fleet.cli import add_parser as add_fleet_parser
 
     add_fleet_parser(sub)
@@ -76,6 +79,9 @@ def main(argv: list[str] | None = None, *, stop: threading.Event | None = None) 
             seed=args.seed,
             num_threads=args.num_threads,
             weight_version=args.weight_version,
+            dp_size=args.dp_size,
+            enable_prefix_cache=not args.disable_radix_cache,
+            prefix_cache_tokens=args.prefix_cache_tokens,
         )
         engine = config.build()
     except ValueError as exc:

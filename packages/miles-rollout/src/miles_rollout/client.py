@@ -187,6 +187,7 @@ class SGLangClient:
         return_logprob: bool = True,
         rid: str | None = None,
         routing_key: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> GenerateOutput:
         """``POST /generate`` for one prompt.
 
@@ -195,7 +196,9 @@ class SGLangClient:
             sampling_params: a :class:`SamplingParams` or an SGLang-style dict.
             return_logprob: ask for output-token logprobs.
             rid: the request id (SGLang makes one if absent).
-            routing_key: sent as ``X-SMG-Routing-Key`` (sglang-router session affinity).
+            routing_key: sent as ``X-SMG-Routing-Key`` (sglang-router session affinity; the
+                miles-rollout server also keeps a session on one DP rank with it).
+            data_parallel_rank: the DP rank to run on (SGLang's body field).
         """
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
@@ -204,6 +207,8 @@ class SGLangClient:
         }
         if rid is not None:
             body["rid"] = rid
+        if data_parallel_rank is not None:
+            body["data_parallel_rank"] = data_parallel_rank
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
         resp = await self._request("POST", "/generate", body, idempotent=False, headers=headers)
         return parse_generate_response(resp, prompt_tokens=len(body["input_ids"]))
@@ -358,8 +363,8 @@ def parse_generate_response(resp: Mapping[str, Any], *, prompt_tokens: int) -> G
 class LocalEngineClient:
     """The :class:`EngineClient` methods on an in-process :class:`Engine` (no HTTP).
 
-    Blocking engine calls run in the event loop's default executor. ``routing_key`` is
-    accepted and ignored (there is one engine). The client does not own the engine:
+    Blocking engine calls run in the event loop's default executor. ``routing_key`` keeps a
+    session on one of the engine's DP ranks. The client does not own the engine:
     :meth:`close` leaves it running.
     """
 
@@ -386,10 +391,16 @@ class LocalEngineClient:
         return_logprob: bool = True,
         rid: str | None = None,
         routing_key: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> GenerateOutput:
         """Generate on the engine (see :meth:`SGLangClient.generate`)."""
         return await self.engine.async_generate(
-            input_ids, _params(sampling_params), return_logprob=return_logprob, rid=rid
+            input_ids,
+            _params(sampling_params),
+            return_logprob=return_logprob,
+            rid=rid,
+            data_parallel_rank=data_parallel_rank,
+            routing_key=routing_key,
         )
 
     async def health(self) -> bool:

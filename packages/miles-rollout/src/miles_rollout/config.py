@@ -44,6 +44,12 @@ class EngineConfig:
             ``_decode_attention.py``). In float32 the kernel's attention makes the engine
             batch invariant (a token's logprob does not depend on what it was batched with,
             nor on a prefix-cache hit; see ``_model.py``); without it float32 runs SDPA.
+        dp_size: data-parallel ranks in this engine: each has its own scheduler thread,
+            batch of ``max_running_requests``, KV cache and prefix cache; the weights are
+            shared (each rank keeps its own fused copies of the q/k/v and gate/up
+            projections). A request runs on the rank it names (``data_parallel_rank``), else
+            on its session's rank, else on the least loaded one. With ``num_threads=None``
+            the ranks split the cores (``torch.get_num_threads() // dp_size`` each).
         enable_prefix_cache: keep finished requests' KV in a radix tree over token ids and
             reuse the longest cached prefix of each new request (SGLang's radix cache;
             ``--disable-radix-cache`` there). Weight updates drop it.
@@ -60,6 +66,7 @@ class EngineConfig:
     num_threads: int | None = None
     weight_version: str = "0"
     kernel_backend: str = "auto"
+    dp_size: int = 1
     enable_prefix_cache: bool = True
     prefix_cache_tokens: int | None = None
 
@@ -78,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if not isinstance(self.weight_version, str):
             raise ValueError(f"weight_version must be a string, got {self.weight_version!r}")
+        if not isinstance(self.dp_size, int) or self.dp_size < 1:
+            raise ValueError(f"dp_size must be an integer >= 1, got {self.dp_size!r}")
         if self.prefix_cache_tokens is not None and self.prefix_cache_tokens < 1:
             raise ValueError(
                 f"prefix_cache_tokens must be at least 1 (or None for the default), got "

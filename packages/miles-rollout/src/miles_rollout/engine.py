@@ -4,7 +4,8 @@
     out = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=16))
     engine.shutdown()
 
-One background thread owns the model (see ``_scheduler.py``); ``submit`` may be called from any
+One background thread per data-parallel rank owns that rank's batch, KV cache and prefix cache
+(see ``_scheduler.py``); the ranks share the model's weights. ``submit`` may be called from any
 thread and many concurrent requests are decoded together. The engine is a
 ``miles_transfer.WeightReceiver``.
 """
@@ -15,11 +16,15 @@ import asyncio
 import logging
 import numbers
 import random
+import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -45,6 +50,22 @@ logger = logging.getLogger(__name__)
 _PAUSE_MODES = ("abort", "retract", "in_place")
 # Default prefix-cache budget (keys and values of every layer); see EngineConfig.
 _PREFIX_CACHE_DEFAULT_BYTES = 512 << 20
+# Session keys remembered for rank affinity (least recently used forgotten first).
+_MAX_SESSIONS = 1 << 16
+T = TypeVar("T")
+
+
+@dataclass(eq=False, slots=True)
+class _Rank:
+    """One data-parallel rank: its own runner (KV cache), scheduler thread and prefix cache."""
+
+    index: int
+    runner: CausalLMRunner
+    scheduler: Scheduler
+    cache: RadixCache | None
+    in_flight: int = 0  # submitted and not finished (the engine's load measure)
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -92,29 +113,48 @@ class Engine:
         self._params = param_table(model)
         self._weight_version = config.weight_version
         self._rng = random.Random(config.seed)
+        threads = config.num_threads
+        if threads is None and config.dp_size > 1:  # ranks share the cores
+            threads = max(1, torch.get_num_threads() // config.dp_size)
+        self._ranks = [self._make_rank(i, model, ctx, threads) for i in range(config.dp_size)]
+        self.vocab_size = self._ranks[0].runner.vocab_size
+        # Rank 0's parts under their single-rank names (tests and tools read them).
+        self._runner = self._ranks[0].runner
+        self._scheduler = self._ranks[0].scheduler
+        self._prefix_cache = self._ranks[0].cache
+        self._load_lock = threading.Lock()  # in_flight counters and session affinity
+        self._control_lock = threading.Lock()  # one all-ranks barrier at a time
+        self._session_ranks: OrderedDict[str, int] = OrderedDict()
+
+    def _make_rank(self, index: int, model: Any, ctx: int, threads: int | None) -> _Rank:
+        config = self.config
         runner = CausalLMRunner(
             model,
             max_batch=config.max_running_requests,
             context_length=ctx,
             kernel_backend=config.kernel_backend,
         )
-        self.vocab_size = runner.vocab_size
-        self._runner = runner
-        self._prefix_cache: RadixCache | None = None
+        cache: RadixCache | None = None
         if config.enable_prefix_cache:
             capacity = config.prefix_cache_tokens
             if capacity is None:
-                per_token = runner.pool_bytes(1)
-                capacity = max(_PREFIX_CACHE_DEFAULT_BYTES // per_token, 2 * ctx)
-            self._prefix_cache = RadixCache(capacity)
-        self._scheduler = Scheduler(
+                capacity = max(_PREFIX_CACHE_DEFAULT_BYTES // runner.pool_bytes(1), 2 * ctx)
+            cache = RadixCache(capacity)
+        scheduler = Scheduler(
             runner,
             max_running=config.max_running_requests,
             tokenizer=self.tokenizer,
             weight_version=lambda: self._weight_version,
-            num_threads=config.num_threads,
-            prefix_cache=self._prefix_cache,
+            num_threads=threads,
+            prefix_cache=cache,
+            name=f"miles-engine-dp{index}" if config.dp_size > 1 else "miles-engine",
         )
+        return _Rank(index=index, runner=runner, scheduler=scheduler, cache=cache)
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel ranks."""
+        return len(self._ranks)
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -125,14 +165,28 @@ class Engine:
         *,
         return_logprob: bool = True,
         rid: str | None = None,
+        data_parallel_rank: int | None = None,
+        routing_key: str | None = None,
     ) -> Future[GenerateOutput]:
         """Queue one request; return a future for its output. Thread-safe.
 
         Cancelling the future drops the request from the batch.
 
+        Args:
+            input_ids: the prompt tokens.
+            sampling_params: how to sample (defaults: ``SamplingParams()``).
+            return_logprob: report each output token's logprob.
+            rid: the request id (a random one if absent).
+            data_parallel_rank: the rank to run on (what sglang-router sends with
+                ``--dp-aware``). ``None``: the rank this ``routing_key`` used last, else the
+                least loaded one.
+            routing_key: the session key (``X-SMG-Routing-Key``): keeps a session's turns
+                on one rank, where its prefix is cached.
+
         Raises:
             ValueError: an empty prompt, token ids outside the vocabulary, a prompt that does
-                not fit the context length, or stop strings without a tokenizer.
+                not fit the context length, stop strings without a tokenizer, or a
+                ``data_parallel_rank`` that does not exist.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -151,6 +205,9 @@ class Engine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
+        if routing_key is not None and not isinstance(routing_key, str):
+            raise ValueError(f"routing_key must be a string, got {routing_key!r}")
+        rank = self._pick_rank(data_parallel_rank, routing_key)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
         fut: Future[GenerateOutput] = Future()
         req = Request(
@@ -162,9 +219,43 @@ class Engine:
             stop_ids=frozenset(stop_ids),
             seed=seed,
             future=fut,
+            session=routing_key,
         )
-        self._scheduler.add(req)
+        with self._load_lock:
+            rank.in_flight += 1
+        try:
+            rank.scheduler.add(req)
+        except BaseException:
+            self._request_done(rank)
+            raise
+        fut.add_done_callback(lambda _: self._request_done(rank))
         return fut
+
+    def _request_done(self, rank: _Rank) -> None:
+        with self._load_lock:
+            rank.in_flight -= 1
+
+    def _pick_rank(self, data_parallel_rank: int | None, routing_key: str | None) -> _Rank:
+        n = len(self._ranks)
+        with self._load_lock:
+            if data_parallel_rank is not None:
+                r = data_parallel_rank
+                if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < n:
+                    raise ValueError(
+                        f"data_parallel_rank {r!r} does not exist: this engine has dp_size {n} "
+                        f"(ranks 0..{n - 1}); omit it to let the engine choose"
+                    )
+                rank = self._ranks[r]
+            elif routing_key is not None and routing_key in self._session_ranks:
+                rank = self._ranks[self._session_ranks[routing_key]]
+            else:
+                rank = min(self._ranks, key=lambda x: (x.in_flight, x.index))
+            if routing_key is not None:
+                self._session_ranks[routing_key] = rank.index
+                self._session_ranks.move_to_end(routing_key)
+                if len(self._session_ranks) > _MAX_SESSIONS:
+                    self._session_ranks.popitem(last=False)
+        return rank
 
     def generate(
         self,
@@ -173,10 +264,17 @@ class Engine:
         *,
         return_logprob: bool = True,
         rid: str | None = None,
+        data_parallel_rank: int | None = None,
+        routing_key: str | None = None,
     ) -> GenerateOutput:
         """Generate and wait (blocking); see :meth:`submit`."""
         return self.submit(
-            input_ids, sampling_params, return_logprob=return_logprob, rid=rid
+            input_ids,
+            sampling_params,
+            return_logprob=return_logprob,
+            rid=rid,
+            data_parallel_rank=data_parallel_rank,
+            routing_key=routing_key,
         ).result()
 
     async def async_generate(
@@ -186,9 +284,18 @@ class Engine:
         *,
         return_logprob: bool = True,
         rid: str | None = None,
+        data_parallel_rank: int | None = None,
+        routing_key: str | None = None,
     ) -> GenerateOutput:
         """Generate without blocking the event loop; see :meth:`submit`."""
-        fut = self.submit(input_ids, sampling_params, return_logprob=return_logprob, rid=rid)
+        fut = self.submit(
+            input_ids,
+            sampling_params,
+            return_logprob=return_logprob,
+            rid=rid,
+            data_parallel_rank=data_parallel_rank,
+            routing_key=routing_key,
+        )
         return await asyncio.wrap_future(fut)
 
     def _check_prompt(self, input_ids: Sequence[int]) -> list[int]:
@@ -230,28 +337,64 @@ class Engine:
         if mode not in _PAUSE_MODES:
             raise ValueError(f"mode must be one of {list(_PAUSE_MODES)}, got {mode!r}")
         checked = cast(PauseMode, mode)
-        self._scheduler.call(lambda: self._scheduler.pause(checked))
+        for rank in self._ranks:
+            rank.scheduler.call(partial(rank.scheduler.pause, checked))
 
     def continue_generation(self) -> None:
-        """Resume after :meth:`pause_generation`."""
-
-        def resume() -> None:
-            self._scheduler.paused = False
-
-        self._scheduler.call(resume)
+        """Resume after :meth:`pause_generation` (every rank)."""
+        for rank in self._ranks:
+            rank.scheduler.call(partial(setattr, rank.scheduler, "paused", False))
 
     def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> int:
-        """Abort one request by id, or all; return how many were aborted."""
-        if abort_all:
-            return self._scheduler.call(lambda: self._scheduler.abort_all("aborted by request"))
-        if rid is None:
+        """Abort one request by id, or all (on every rank); return how many were aborted."""
+        if not abort_all and rid is None:
             raise ValueError("give a rid or abort_all=True")
-        return int(self._scheduler.call(lambda: self._scheduler.abort(rid)))
+        total = 0
+        for rank in self._ranks:
+            sched = rank.scheduler
+            if abort_all:
+                total += sched.call(partial(sched.abort_all, "aborted by request"))
+            else:
+                total += int(sched.call(partial(sched.abort, cast(str, rid))))
+        return total
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache and free KV memory; refused (False) while requests are in
-        flight, as in SGLang. Weight updates drop the prefix cache themselves."""
-        return self._scheduler.call(self._scheduler.flush_cache)
+        """Drop the prefix cache and free KV memory on every rank; refused (False) while any
+        request is in flight, as in SGLang. Weight updates drop the prefix cache themselves."""
+
+        def flush() -> bool:
+            if any(r.scheduler.running or r.scheduler.waiting for r in self._ranks):
+                return False
+            for r in self._ranks:
+                assert r.scheduler.flush_cache()
+            return True
+
+        return self._with_ranks_stopped(flush)
+
+    def _with_ranks_stopped(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on this thread while every rank's scheduler waits between two steps.
+
+        Ranks share the weights, so an update must not overlap any rank's forward pass; while
+        parked, a rank's scheduler state may be touched from here.
+        """
+        with self._control_lock:
+            arrived = [threading.Event() for _ in self._ranks]
+            release = threading.Event()
+
+            def park(event: threading.Event) -> None:
+                event.set()
+                release.wait()
+
+            futures = [r.scheduler.post(partial(park, e)) for r, e in zip(self._ranks, arrived)]
+            try:
+                for event in arrived:
+                    event.wait()
+                with torch.inference_mode():
+                    return fn()
+            finally:
+                release.set()
+                for f in futures:
+                    f.result()
 
     # ---- weights -----------------------------------------------------------------------------
 
@@ -268,7 +411,7 @@ class Engine:
         def apply() -> None:
             self._weight_version = new_version
 
-        self._scheduler.call(apply)
+        self._with_ranks_stopped(apply)
 
     def update_weights_from_tensor(
         self,
@@ -303,15 +446,16 @@ class Engine:
             pairs = prepare_update(self._params, items, self.dtype)
             for dst, src in pairs:
                 dst.copy_(src)
-            self._runner.mark_weights_changed()
+            for rank in self._ranks:
+                rank.runner.mark_weights_changed()
+                if flush_cache:
+                    rank.scheduler.invalidate_cache()
+                    if not (rank.scheduler.running or rank.scheduler.waiting):
+                        rank.runner.release()
             if weight_version is not None:
                 self._weight_version = weight_version
-            if flush_cache:
-                self._scheduler.invalidate_cache()
-                if not (self._scheduler.running or self._scheduler.waiting):
-                    self._runner.release()
 
-        self._scheduler.call(apply)
+        self._with_ranks_stopped(apply)
 
     def update_weights_from_disk(
         self,
@@ -370,62 +514,73 @@ class Engine:
 
     def server_info(self) -> dict[str, Any]:
         """SGLang's ``/get_server_info`` fields that routers and drivers read."""
-        sched = self._scheduler
         return {
             "model_path": self.model_path,
             "tokenizer_path": self.tokenizer_path,
             "served_model_name": self.model_path,
-            "dp_size": 1,
+            "dp_size": len(self._ranks),
             "tp_size": 1,
             "context_length": self.context_length,
             "max_running_requests": self.config.max_running_requests,
             "dtype": self.config.dtype,
             "random_seed": self.config.seed,
-            "disable_radix_cache": self._prefix_cache is None,
-            "batch_invariant": self._runner.batch_invariant,
+            "disable_radix_cache": not self.config.enable_prefix_cache,
+            "batch_invariant": all(r.runner.batch_invariant for r in self._ranks),
             "weight_version": self._weight_version,
             "version": __version__,
             "engine": "miles-rollout",
-            "internal_states": [
-                {
-                    "num_running_reqs": len(sched.running),
-                    "num_waiting_reqs": len(sched.waiting),
-                    "paused": sched.paused,
-                    "num_generated_tokens": sched.generated_tokens,
-                    "num_prefill_tokens": sched.prefill_tokens,
-                    "num_prompt_tokens": sched.prompt_tokens,
-                    "num_cached_prompt_tokens": sched.cached_prompt_tokens,
-                    "cache_hit_rate": (
-                        sched.cached_prompt_tokens / sched.prompt_tokens
-                        if sched.prompt_tokens
-                        else 0.0
-                    ),
-                    **self._cache_state(),
-                }
-            ],
+            "internal_states": [self._rank_state(r) for r in self._ranks],
         }
 
-    def _cache_state(self) -> dict[str, Any]:
-        cache = self._prefix_cache
-        if cache is None:
-            return {"prefix_cache": False}
-        st = cache.stats
-        return {
-            "prefix_cache": True,
-            "prefix_cache_tokens": st.cached_tokens,
-            "prefix_cache_capacity_tokens": st.capacity_tokens,
-            "prefix_cache_inserted_tokens": st.inserted_tokens,
-            "prefix_cache_evicted_tokens": st.evicted_tokens,
-            "prefix_cache_flushes": st.flushes,
+    def _rank_state(self, rank: _Rank) -> dict[str, Any]:
+        sched = rank.scheduler
+        state: dict[str, Any] = {
+            "dp_rank": rank.index,
+            "num_running_reqs": len(sched.running),
+            "num_waiting_reqs": len(sched.waiting),
+            "num_in_flight_reqs": rank.in_flight,
+            "paused": sched.paused,
+            "num_generated_tokens": sched.generated_tokens,
+            "num_prefill_tokens": sched.prefill_tokens,
+            "num_prompt_tokens": sched.prompt_tokens,
+            "num_cached_prompt_tokens": sched.cached_prompt_tokens,
+            "cache_hit_rate": (
+                sched.cached_prompt_tokens / sched.prompt_tokens if sched.prompt_tokens else 0.0
+            ),
+            "prefix_cache": rank.cache is not None,
         }
+        if rank.cache is not None:
+            st = rank.cache.stats
+            state.update(
+                {
+                    "prefix_cache_tokens": st.cached_tokens,
+                    "prefix_cache_capacity_tokens": st.capacity_tokens,
+                    "prefix_cache_inserted_tokens": st.inserted_tokens,
+                    "prefix_cache_evicted_tokens": st.evicted_tokens,
+                    "prefix_cache_flushes": st.flushes,
+                }
+            )
+        return state
+
+    def load(self) -> list[dict[str, int]]:
+        """Per-rank load as SGLang's ``/get_load`` reports it."""
+        out = []
+        for r in self._ranks:
+            waiting = len(r.scheduler.waiting)
+            reqs = max(r.in_flight, len(r.scheduler.running) + waiting)
+            out.append(
+                {"dp_rank": r.index, "num_reqs": reqs, "num_waiting_reqs": waiting, "load": reqs}
+            )
+        return out
 
     def health(self) -> bool:
-        """True while the engine thread runs."""
-        return self._scheduler.is_alive()
+        """True while every rank's engine thread runs."""
+        return all(r.scheduler.is_alive() for r in self._ranks)
 
     def shutdown(self) -> None:
-        """Abort every request and stop the engine thread. Idempotent."""
-        self._scheduler.stop()
+        """Abort every request and stop the engine threads. Idempotent."""
+        for r in self._ranks:
+            r.scheduler.stop()
 
     def __enter__(self) -> Engine:
         return self

@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from miles_rollout._http_generate import parse_generate, response_dict
+from miles_rollout.client import ROUTING_KEY_HEADER
 from miles_rollout.engine import Engine
 from miles_rollout.sampling_params import SamplingParams
 from miles_transfer import deserialize_named_tensors
@@ -105,6 +106,9 @@ class _Routes:
         body = await _body(request)
         start = time.monotonic()
         parsed = parse_generate(body, self.engine.tokenizer)
+        # The session key: sglang-router forwards this header; SGLang's own body field is the
+        # fallback (the header wins when both are there).
+        header_key = request.headers.get(ROUTING_KEY_HEADER)
         futures = []
         try:
             for item in parsed.items:
@@ -114,6 +118,8 @@ class _Routes:
                         item.sampling_params,
                         return_logprob=item.return_logprob,
                         rid=item.rid,
+                        data_parallel_rank=item.data_parallel_rank,
+                        routing_key=header_key if header_key is not None else item.routing_key,
                     )
                 )
             outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
@@ -134,8 +140,8 @@ class _Routes:
     async def health_generate(self, request: web.Request) -> web.Response:
         if not self.engine.health():
             return web.Response(status=503)
-        state = self.engine.server_info()["internal_states"][0]
-        if state["paused"] or state["num_running_reqs"]:
+        states = self.engine.server_info()["internal_states"]
+        if any(st["paused"] or st["num_running_reqs"] for st in states):
             return web.Response(status=200)  # busy or paused: the thread is alive, as SGLang
         fut = self.engine.submit([0], SamplingParams(max_new_tokens=1, temperature=0.0))
         try:
@@ -151,18 +157,7 @@ class _Routes:
         return web.json_response(self.engine.server_info())
 
     async def get_load(self, request: web.Request) -> web.Response:
-        state = self.engine.server_info()["internal_states"][0]
-        running, waiting = state["num_running_reqs"], state["num_waiting_reqs"]
-        return web.json_response(
-            [
-                {
-                    "dp_rank": 0,
-                    "num_reqs": running + waiting,
-                    "num_waiting_reqs": waiting,
-                    "load": running + waiting,
-                }
-            ]
-        )
+        return web.json_response(self.engine.load())
 
     async def metrics(self, request: web.Request) -> web.Response:
         info = self.engine.server_info()
