@@ -5,7 +5,9 @@
 
 Each rank writes OUT_DIR/rank{r}.json; all ranks write OUT_DIR/ckpt (save_hf_checkpoint), and
 the same scenario in bfloat16 compute to OUT_DIR/ckpt-bf16 (fp32 master weights) and
-OUT_DIR/rank{r}-bf16.json.
+OUT_DIR/rank{r}-bf16.json; then the multi-turn scenario (packing, token budget, critic):
+OUT_DIR/rank{r}-multiturn.json and, from rank 0, the full policy and critic parameters in
+OUT_DIR/multiturn.pt.
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ import sys
 from pathlib import Path
 
 import torch
-from _trainer_testlib import make_batch, run_scenario, scenario_config
+from _trainer_testlib import (
+    full_params,
+    make_batch,
+    multiturn_config,
+    run_multiturn_scenario,
+    run_scenario,
+    scenario_config,
+)
 
 from miles_trainer import FSDPTrainer
 
@@ -39,6 +48,14 @@ def main() -> None:
     metrics = run_scenario(bf16)
     bf16.save_hf_checkpoint(out / "ckpt-bf16", dtype="float32")
     (out / f"rank{bf16.rank}-bf16.json").write_text(json.dumps({"metrics": metrics}))
+
+    multi = FSDPTrainer(multiturn_config(model_dir))
+    metrics = run_multiturn_scenario(multi)
+    assert multi.critic is not None
+    params = {"policy": full_params(multi.model), "critic": full_params(multi.critic)}
+    if multi.rank == 0:
+        torch.save(params, out / "multiturn.pt")
+    (out / f"rank{multi.rank}-multiturn.json").write_text(json.dumps({"metrics": metrics}))
 
 
 if __name__ == "__main__":

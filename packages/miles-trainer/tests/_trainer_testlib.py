@@ -10,7 +10,16 @@ from pathlib import Path
 
 import torch
 
-from miles_trainer import FSDPTrainer, LossConfig, MismatchConfig, TrainBatch, TrainerConfig
+from miles_trainer import (
+    AdvantageConfig,
+    CriticConfig,
+    FSDPTrainer,
+    LossConfig,
+    MismatchConfig,
+    ReferenceConfig,
+    TrainBatch,
+    TrainerConfig,
+)
 
 VOCAB = 61
 
@@ -107,6 +116,29 @@ def scenario_config(model_dir: str, dtype: str = "float32") -> TrainerConfig:
 def run_scenario(trainer: FSDPTrainer) -> list[dict[str, float]]:
     """Two train steps on 5-sample batches (ranks get 3 and 2 samples: a filler pass)."""
     return [trainer.train_step(make_batch(5, seed=s)) for s in (11, 12)]
+
+
+def multiturn_config(model_dir: str) -> TrainerConfig:
+    """The multi-turn 1-vs-2-process comparison: packed micro-batches by token budget (ranks
+    get different numbers of them: filler passes), PPO with a critic (values gathered across
+    ranks for GAE), geometric MIS, KL to a reference kept as a full copy on the CPU."""
+    return TrainerConfig(
+        model_path=model_dir,
+        lr=1e-3,
+        eps=1e-6,
+        packing=True,
+        max_tokens_per_microbatch=24,
+        num_minibatches=2,
+        advantage=AdvantageConfig(estimator="gae", lam=0.9, whiten=True),
+        critic=CriticConfig(lr=1e-3),
+        reference=ReferenceConfig(placement="cpu"),
+        loss=LossConfig(kl_coef=0.05, mismatch=MismatchConfig(level="geometric", upper=2.0)),
+    )
+
+
+def run_multiturn_scenario(trainer: FSDPTrainer) -> list[dict[str, float]]:
+    """Two train steps on 7-sample multi-turn batches."""
+    return [trainer.train_step(multiturn_batch(7, seed=s)) for s in (21, 22)]
 
 
 def multiturn_batch(n: int, *, seed: int = 0, group_size: int = 2) -> TrainBatch:

@@ -10,7 +10,13 @@ import sys
 from pathlib import Path
 
 import torch
-from _trainer_testlib import full_params, run_scenario, scenario_config
+from _trainer_testlib import (
+    full_params,
+    multiturn_config,
+    run_multiturn_scenario,
+    run_scenario,
+    scenario_config,
+)
 
 from miles_trainer import FSDPTrainer
 
@@ -72,6 +78,20 @@ def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}-bf16.json").read_text())
         _check_metrics(record["metrics"], want_metrics_bf16, rank)
+
+    # Multi-turn: packed micro-batches by token budget, PPO critic, reference on the CPU.
+    one_mt = FSDPTrainer(multiturn_config(str(tiny_model_dir)))
+    want_metrics_mt = run_multiturn_scenario(one_mt)
+    assert one_mt.critic is not None
+    want_mt = {"policy": full_params(one_mt.model), "critic": full_params(one_mt.critic)}
+    got_mt = torch.load(tmp_path / "multiturn.pt")
+    for part in ("policy", "critic"):
+        diff = max((got_mt[part][k] - v).abs().max().item() for k, v in want_mt[part].items())
+        print(f"max |{part} param diff| 1 vs 2 ranks, multi-turn: {diff:.3g}")
+        assert diff < PARAM_ATOL
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}-multiturn.json").read_text())
+        _check_metrics(record["metrics"], want_metrics_mt, rank)
 
 
 def _check_metrics(got: list[dict[str, float]], want: list[dict[str, float]], rank: int) -> None:

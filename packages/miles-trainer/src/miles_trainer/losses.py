@@ -615,7 +615,11 @@ def value_loss(
     clipped_frac_BT = torch.zeros_like(plain_BT)
     vl_BT = plain_BT
     if value_clip is not None:
-        v_clip_BT = old_BT + (v_BT - old_BT).clamp(-value_clip, value_clip)
+        delta_BT = v_BT - old_BT
+        # V itself where the update is within the clip: old + (V - old) can differ from V in
+        # the last bit, which would make the clipped term "win" on ties.
+        inside_BT = delta_BT.abs() <= value_clip
+        v_clip_BT = torch.where(inside_BT, v_BT, old_BT + delta_BT.clamp(-value_clip, value_clip))
         clip_BT = 0.5 * (v_clip_BT - ret_BT).square()
         vl_BT = torch.maximum(plain_BT, clip_BT)
         clipped_frac_BT = (clip_BT > plain_BT).to(plain_BT.dtype)
