@@ -35,9 +35,10 @@ SPEC = {"memory_mb": 256, "pids": 64, "disk_mb": 64, "ttl_s": 600}
 
 
 def _mem_available_mb() -> float:
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 1024
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
     return float("nan")
 
 

@@ -142,7 +142,7 @@ def test_refusals(loop: Loop) -> None:
         with pytest.raises(ValueError, match="allowlist"):
             await create_sandbox({"network": ["10.0.0.0/8"]})
         async with await create_sandbox() as sb:
-            with pytest.raises(ValueError, match="one\\s+unprivileged user"):
+            with pytest.raises(ValueError, match=r"one\s+unprivileged user"):
                 await sb.exec("id", user="root")
             with pytest.raises(ValueError, match="empty command"):
                 await sb.exec("  ")
