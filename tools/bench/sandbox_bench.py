@@ -11,8 +11,8 @@ episodes a rollout worker can keep going. Measured, on the local (bubblewrap) ba
 - sandboxes per second: create + exec + close at concurrency 1, 2 and 4, against plain
   subprocesses at the same concurrency;
 - peak concurrent sandboxes: sandboxes opened one by one and held (up to ``--peak``), then
-  every one runs a command; host memory per sandbox, against as many plain ``sleep``
-  processes.
+  every one runs a command; memory per sandbox (PSS of its host processes, and what its
+  memory cgroup is charged), against as many plain ``sleep`` processes.
 
 Laptop (root; ~1 minute): python tools/bench/sandbox_bench.py [--peak 200] [--json out.json]
 Cluster: the same on a rollout node; raise --peak to find the node's limit.
@@ -32,14 +32,6 @@ from typing import Any
 from miles_env import create_sandbox
 
 SPEC = {"memory_mb": 256, "pids": 64, "disk_mb": 64, "ttl_s": 600}
-
-
-def _mem_available_mb() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 async def _plain(*argv: str) -> None:
@@ -124,8 +116,31 @@ async def per_second(total: int, concurrency: int) -> dict[str, float]:
     }
 
 
+def _pss_kb(pids: list[int]) -> int:
+    """Proportional set size of these processes (shared pages split among their users)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:
+            continue
+    return total
+
+
+def _cgroup_memory_kb(sb: Any) -> int:
+    """What the sandbox's memory cgroup is charged (its processes, tmpfs, kernel objects)."""
+    d = sb._cg.limit_dirs.get("memory") if sb._cg is not None else None
+    if d is None:
+        return 0
+    name = "memory.current" if (d / "memory.current").exists() else "memory.usage_in_bytes"
+    return int((d / name).read_text()) // 1024
+
+
 async def peak(limit: int) -> dict[str, Any]:
-    before = _mem_available_mb()
     boxes = []
     error = ""
     t = time.perf_counter()
@@ -135,29 +150,36 @@ async def peak(limit: int) -> dict[str, Any]:
     except Exception as e:  # the machine's limit, if reached below --peak
         error = f"{type(e).__name__}: {e}"
     opened = time.perf_counter() - t
-    held = before - _mem_available_mb()
     results = await asyncio.gather(*(sb.exec("echo ok") for sb in boxes))
     working = sum(r.stdout == "ok\n" for r in results)
+    n = max(len(boxes), 1)
+    host_pids = [pid for sb in boxes if sb._cg is not None for pid in sb._cg.members()]
+    pss = _pss_kb(host_pids) / n
+    charged = sum(_cgroup_memory_kb(sb) for sb in boxes) / n
+    procs_per_box = len(host_pids) / n
     t = time.perf_counter()
     await asyncio.gather(*(sb.close() for sb in boxes))
     closed = time.perf_counter() - t
-    # Peer: as many plain processes held at once (a sandbox holds three: bwrap outside,
-    # bwrap as its PID 1, and the sleep).
-    before_plain = _mem_available_mb()
-    procs = [await asyncio.create_subprocess_exec("sleep", "600") for _ in range(len(boxes))]
-    held_plain = before_plain - _mem_available_mb()
+    # Peer: the same number of plain processes held at once, as many per sandbox as a
+    # sandbox holds (bwrap outside, bwrap as its PID 1, the sleep).
+    procs = [
+        await asyncio.create_subprocess_exec("sleep", "600")
+        for _ in range(round(procs_per_box * len(boxes)))
+    ]
+    pss_plain = _pss_kb([p.pid for p in procs]) / n
     for p in procs:
         p.kill()
         await p.wait()
-    n = max(len(boxes), 1)
     return {
         "opened": len(boxes),
         "working": working,
         "stopped_by": error or f"--peak {limit}",
         "open_s": opened,
         "close_all_s": closed,
-        "host_mb_per_sandbox": held / n,
-        "host_mb_per_plain_sleep": held_plain / n,
+        "processes_per_sandbox": procs_per_box,
+        "pss_kb_per_sandbox": pss,
+        "cgroup_kb_per_sandbox": charged,
+        "pss_kb_plain_per_sandbox": pss_plain,
     }
 
 
@@ -200,8 +222,11 @@ def _report(r: dict[str, Any]) -> None:
     print(
         f"\npeak: {p['opened']} sandboxes open at once ({p['working']} ran a command; stopped by "
         f"{p['stopped_by']}); opened in {p['open_s']:.1f} s, closed in {p['close_all_s']:.1f} s; "
-        f"host memory {p['host_mb_per_sandbox']:.2f} MB per sandbox vs "
-        f"{p['host_mb_per_plain_sleep']:.2f} MB per plain sleep"
+        f"per sandbox: {p['processes_per_sandbox']:.1f} host processes, "
+        f"{p['pss_kb_per_sandbox'] / 1024:.2f} MiB PSS, "
+        f"{p['cgroup_kb_per_sandbox'] / 1024:.2f} MiB charged to its memory cgroup; "
+        f"as many plain sleeps: "
+        f"{p['pss_kb_plain_per_sandbox'] / 1024:.2f} MiB PSS"
     )
 
 
