@@ -312,7 +312,6 @@ def build_session_app(
             web.get("/health", r.health),
         ]
     )
-    app["routes"] = r
     return app
 
 
