@@ -148,7 +148,9 @@ def multiturn_batch(n: int, *, seed: int = 0, group_size: int = 2) -> TrainBatch
     tokens, lengths, masks, rollout, versions, rewards = [], [], [], [], [], []
     for _ in range(n):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
-        response, mask, ver = [], [], []
+        response: list[int] = []
+        mask: list[int] = []
+        ver: list[str | None] = []
         for turn in range(rng.randint(1, 3)):
             if turn:  # a tool output between turns: not trained on
                 k = rng.randint(1, 4)

@@ -15,6 +15,7 @@ Mismatch weights w = exp(old - rollout): seq0 [2, 0.5, 1], seq1 [3, 1, (masked)]
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -42,7 +43,9 @@ def _x() -> dict[str, torch.Tensor]:
     }
 
 
-def _loss(cfg: LossConfig, **kw: object) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
+def _loss(
+    cfg: LossConfig, **kw: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     x = _x()
     loss, m = policy_loss(
         x["logp"], x["old"], x["adv"], x["mask"], cfg, rollout_logp_BT=x["rollout"], **kw

@@ -9,13 +9,15 @@ over its mini-batches (and the max / min over all of them).
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 import torch.distributed as dist
 
+from miles_trainer.batch import MicroBatch, TrainBatch
 from miles_trainer.losses import MAX_SUFFIX, MIN_SUFFIX
 
-__all__ = ["StepMetrics"]
+__all__ = ["StepMetrics", "token_mean", "version_metrics"]
 
 
 class StepMetrics:
@@ -74,3 +76,35 @@ class StepMetrics:
             if math.isfinite(value) and abs(value) < big:  # no loss token at all: no extreme
                 out[name] = value
         return out
+
+
+def version_metrics(batch: TrainBatch) -> dict[str, float]:
+    """Statistics of the weight versions of the trained tokens (none without versions).
+
+    ``weight_versions``: distinct versions; ``stale_token_frac``: fraction of loss tokens not
+    made by the newest version in the batch; ``weight_version_lag_max``: newest minus oldest
+    (only when every version is an integer string).
+    """
+    if batch.weight_versions is None:
+        return {}
+    seen = Counter(
+        v
+        for row, mask in zip(batch.weight_versions, batch.loss_masks)
+        for v, m in zip(row, mask)
+        if m and v is not None
+    )
+    if not seen:
+        return {}
+    total = sum(seen.values())
+    out = {"weight_versions": float(len(seen))}
+    if all(v.lstrip("-").isdigit() for v in seen):
+        ints = {int(v): c for v, c in seen.items()}
+        newest = max(ints)
+        out["weight_version_lag_max"] = float(newest - min(ints))
+        out["stale_token_frac"] = 1.0 - ints[newest] / total
+    return out
+
+
+def token_mean(x_BR: torch.Tensor, mb: MicroBatch, n_tok: int) -> torch.Tensor:
+    """Partial sum of a token mean over the mini-batch's ``n_tok`` loss tokens."""
+    return torch.where(mb.mask_BR, x_BR, torch.zeros_like(x_BR)).sum().double() / n_tok

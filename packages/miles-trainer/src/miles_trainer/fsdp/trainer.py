@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ from miles_trainer._attention import attn_implementation
 from miles_trainer._distributed import broadcast_ok, init_distributed
 from miles_trainer._hf_dir import write_hf_dir
 from miles_trainer._malloc import keep_freed_memory
-from miles_trainer._metrics import StepMetrics
+from miles_trainer._metrics import StepMetrics, token_mean, version_metrics
 from miles_trainer._rmsnorm import use_fast_rms_norm
 from miles_trainer.advantages import batch_advantages, shape_and_filter
 from miles_trainer.batch import MicroBatch, TrainBatch, make_micro_batch, plan_micro_batches
@@ -35,6 +34,10 @@ from miles_trainer.losses import value_loss
 from miles_trainer.trainer import NonFiniteError
 
 __all__ = ["FSDPTrainer"]
+
+# The Megatron backend imports these two from here; they live in _metrics (shared).
+_token_mean = token_mean
+_version_metrics = version_metrics
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -613,38 +616,6 @@ def _clip(module: torch.nn.Module, max_norm: float | None) -> float:
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm.item())
-
-
-def _token_mean(x_BR: torch.Tensor, mb: MicroBatch, n_tok: int) -> torch.Tensor:
-    """Partial sum of a token mean over the mini-batch's ``n_tok`` loss tokens."""
-    return torch.where(mb.mask_BR, x_BR, torch.zeros_like(x_BR)).sum().double() / n_tok
-
-
-def _version_metrics(batch: TrainBatch) -> dict[str, float]:
-    """Statistics of the weight versions of the trained tokens (none without versions).
-
-    ``weight_versions``: distinct versions; ``stale_token_frac``: fraction of loss tokens not
-    made by the newest version in the batch; ``weight_version_lag_max``: newest minus oldest
-    (only when every version is an integer string).
-    """
-    if batch.weight_versions is None:
-        return {}
-    seen = Counter(
-        v
-        for row, mask in zip(batch.weight_versions, batch.loss_masks)
-        for v, m in zip(row, mask)
-        if m and v is not None
-    )
-    if not seen:
-        return {}
-    total = sum(seen.values())
-    out = {"weight_versions": float(len(seen))}
-    if all(v.lstrip("-").isdigit() for v in seen):
-        ints = {int(v): c for v, c in seen.items()}
-        newest = max(ints)
-        out["weight_version_lag_max"] = float(newest - min(ints))
-        out["stale_token_frac"] = 1.0 - ints[newest] / total
-    return out
 
 
 def _clone_tensors(tree: Any) -> Any:
