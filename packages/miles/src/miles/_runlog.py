@@ -52,6 +52,10 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def _step(row: dict[str, Any]) -> int:
+    return int(row["step"])
+
+
 def plot_reward_curve(metrics_path: Path, out_png: Path, *, title: str = "") -> Path:
     """Draw reward (and a 10-step moving average) and response length against the step."""
     import matplotlib
@@ -59,14 +63,16 @@ def plot_reward_curve(metrics_path: Path, out_png: Path, *, title: str = "") -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_path)
-    steps = [r["step"] for r in rows]
+    every = read_metrics(metrics_path)
     # Runs before metrics were namespaced wrote bare keys.
+    rows = [r for r in every if "rollout/reward_mean" in r or "reward_mean" in r]
+    evals = sorted((r for r in every if any(k.startswith("eval/") for k in r)), key=_step)
+    steps = [r["step"] for r in rows]
     reward = [r.get("rollout/reward_mean", r.get("reward_mean")) for r in rows]
     fig, (ax, ax2) = plt.subplots(
         2, 1, figsize=(7, 5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
     )
-    ax.plot(steps, reward, ".", alpha=0.5, label="reward_mean")
+    ax.plot(steps, reward, ".", alpha=0.5, label="reward (training samples)")
     window = 10
     vals = [v for v in reward if v is not None]
     if len(vals) >= window:
@@ -74,6 +80,10 @@ def plot_reward_curve(metrics_path: Path, out_png: Path, *, title: str = "") -> 
         ax.plot(
             steps[window - 1 : window - 1 + len(smooth)], smooth, "-", label=f"mean of {window}"
         )
+    for key, style in (("eval/accuracy_greedy", "s-"), ("eval/accuracy_sampled", "^-")):
+        pts = [(r["step"], r[key]) for r in evals if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"held-out {key.split('_')[-1]}")
     ax.set_ylabel("reward (task success rate)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)

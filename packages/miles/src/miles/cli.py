@@ -23,6 +23,9 @@ EXIT_USAGE = 2
 
 
 def _train(args: argparse.Namespace) -> int:
+    from miles import require_components
+
+    require_components("miles train")
     from miles.config import load_recipe
     from miles.loop import train
 
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_third_party_noise()
     try:
         return int(args.fn(args))
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
         print(f"miles: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -34,6 +34,7 @@ from miles_rollout import EngineConfig, SamplingParams
 from miles_trainer import TrainerConfig
 
 __all__ = [
+    "EvalSettings",
     "RolloutSettings",
     "RunConfig",
     "RunSettings",
@@ -159,6 +160,49 @@ class TransferSettings:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
 
 
+EVAL_MODES = ("none", "shared", "dedicated", "external")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalSettings:
+    """Evaluation on held-out prompts every ``run.eval_every`` steps (also at step 0 and at the
+    end); each result is a ``metrics.jsonl`` row ``{"step": s, "eval/...": ...}``.
+
+    Attributes:
+        mode: ``"shared"``: on the rollout engines, at the eval step (an async producer pauses
+            new samples meanwhile). ``"dedicated"``: a separate engine loads a checkpoint
+            snapshot in the background while training goes on (``eval/lag_steps`` says how
+            late the result landed). ``"external"``: ``evaluator`` gets the snapshot's path.
+            ``"none"``: no evaluation.
+        num_prompts: held-out prompts (the task's ``heldout(n)`` when it has one).
+        sampled_n: samples per prompt for ``eval/accuracy_sampled`` (at the recipe's sampling
+            temperature); greedy decoding gives ``eval/accuracy_greedy``.
+        evaluator: ``"pkg.module:fn"``, ``fn(checkpoint_dir: str) -> dict[str, float]`` (return
+            ``None`` or raise ``miles.SkipEval`` to skip), for ``mode: external``.
+        engine_url: ``dedicated``: an SGLang-compatible server to evaluate on instead of a
+            second embedded engine (it must be able to read the snapshots' paths).
+    """
+
+    mode: str = "shared"
+    num_prompts: int = 64
+    sampled_n: int = 4
+    evaluator: str | None = None
+    engine_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in EVAL_MODES:
+            raise ValueError(f"eval.mode must be one of {list(EVAL_MODES)}, got {self.mode!r}")
+        if self.num_prompts < 1:
+            raise ValueError(f"eval.num_prompts must be >= 1, got {self.num_prompts}")
+        if self.sampled_n < 0:
+            raise ValueError(f"eval.sampled_n must be >= 0, got {self.sampled_n}")
+        if self.mode == "external" and not self.evaluator:
+            raise ValueError(
+                "eval.mode external needs eval.evaluator, a dotted path 'pkg.module:fn' to "
+                "fn(checkpoint_dir) -> dict of metrics"
+            )
+
+
 @dataclass(kw_only=True, slots=True)
 class RunSettings:
     """The loop itself.
@@ -170,6 +214,8 @@ class RunSettings:
         tensorboard: also log to TensorBoard when it is installed.
         plot_every: refresh the PNG reward curve every this many steps.
         progress: show a progress bar.
+        eval_every: evaluate every this many steps, and at step 0 and at the end (``eval``
+            section); 0 turns evaluation off.
         dump_samples: write every trained sample to ``samples.jsonl`` in the run directory
             (``step``, ``tokens``, ``loss_mask`` and ``weight_versions`` per token (``null``
             where the policy did not generate it), ``staleness``, ``reward``), to audit a run.
@@ -181,6 +227,7 @@ class RunSettings:
     tensorboard: bool = True
     plot_every: int = 10
     progress: bool = True
+    eval_every: int = 0
     dump_samples: bool = False
 
     def __post_init__(self) -> None:
@@ -190,6 +237,8 @@ class RunSettings:
             raise ValueError(f"save_every must be >= 0, got {self.save_every}")
         if self.plot_every < 1:
             raise ValueError(f"plot_every must be >= 1, got {self.plot_every}")
+        if self.eval_every < 0:
+            raise ValueError(f"run.eval_every must be >= 0, got {self.eval_every}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -205,13 +254,14 @@ class RunConfig:
     task: TaskSettings = field(default_factory=TaskSettings)
     transfer: TransferSettings = field(default_factory=TransferSettings)
     run: RunSettings = field(default_factory=RunSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         """Validate and build a config from a plain dict (see the module docstring)."""
         if not isinstance(data, dict):
             raise ValueError(f"a recipe must be a mapping of sections, got {type(data).__name__}")
-        sections = ("engine", "sampling", "trainer", "rollout", "task", "transfer", "run")
+        sections = ("engine", "sampling", "trainer", "rollout", "task", "transfer", "run", "eval")
         unknown = sorted(set(data) - {"name", "model_path", *sections})
         if unknown:
             raise ValueError(
@@ -238,6 +288,7 @@ class RunConfig:
             task=build_dataclass(TaskSettings, sec["task"], "task"),
             transfer=build_dataclass(TransferSettings, sec["transfer"], "transfer"),
             run=build_dataclass(RunSettings, sec["run"], "run"),
+            eval=build_dataclass(EvalSettings, sec["eval"], "eval"),
         )
 
     def to_dict(self) -> dict[str, Any]:

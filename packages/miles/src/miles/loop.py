@@ -30,6 +30,7 @@ import yaml
 
 from miles._runlog import RunLog, plot_reward_curve
 from miles.config import RunConfig
+from miles.evaluation import Evaluator, build_evaluator
 from miles.protocols import RolloutSource, Trainer, WeightSync
 from miles.rollout import AsyncRollout, RolloutEngines, SyncRollout, build_train_batch
 from miles.rollout.buffer import token_versions
@@ -177,6 +178,7 @@ def train(cfg: RunConfig) -> RunResult | None:
     rank, world = trainer.rank, trainer.world_size
     engines = RolloutEngines(cfg) if rank == 0 else None
     source = build_source(cfg, engines) if engines is not None else None
+    evaluator: Evaluator | None = None
     run_dir = Path(cfg.run.out_dir) if cfg.run.out_dir else _default_run_dir(cfg.name)
     log: RunLog | None = None
     dump: TextIO | None = None
@@ -184,6 +186,23 @@ def train(cfg: RunConfig) -> RunResult | None:
     steps_done = 0
     try:
         weight_sync = build_weight_sync(cfg, engines.receiver if engines is not None else None)
+        eval_on = cfg.run.eval_every > 0 and cfg.eval.mode != "none"
+        if eval_on and engines is not None:
+            evaluator = build_evaluator(cfg, engines, source)
+        # Every rank knows the eval steps (snapshots are collectives).
+        eval_needs_snapshot = _broadcast(
+            evaluator.needs_snapshot if evaluator is not None else False, rank, world
+        )
+
+        def run_eval(step: int) -> None:
+            snapshot = None
+            if eval_needs_snapshot:
+                snapshot = run_dir / "eval_snapshots" / f"step_{step:06d}"
+                trainer.save_hf_checkpoint(snapshot)
+            if evaluator is not None and log is not None:
+                for row in evaluator.evaluate(step, snapshot):
+                    log.log(row)
+
         if rank == 0:
             if run_dir.exists() and any(run_dir.iterdir()):
                 raise FileExistsError(f"run directory {run_dir} exists and is not empty")
@@ -193,6 +212,8 @@ def train(cfg: RunConfig) -> RunResult | None:
             log = RunLog(run_dir, tensorboard=cfg.run.tensorboard)
             if cfg.run.dump_samples:
                 dump = (run_dir / "samples.jsonl").open("w")
+        if eval_on:
+            run_eval(0)
         with _progress(cfg.run.num_steps, rank == 0 and cfg.run.progress) as bar:
             for step in range(1, cfg.run.num_steps + 1):
                 t_step = time.perf_counter()
@@ -233,14 +254,23 @@ def train(cfg: RunConfig) -> RunResult | None:
                         record["time/step_s"], 1e-9
                     )
                     log.log(record)
-                    if step % cfg.run.plot_every == 0:
-                        plot_reward_curve(log.path, run_dir / "reward_curve.png", title=cfg.name)
+                if eval_on and (step % cfg.run.eval_every == 0 or step == cfg.run.num_steps):
+                    run_eval(step)
+                if evaluator is not None and log is not None:
+                    for row in evaluator.poll(step):
+                        log.log(row)
+                if log is not None and step % cfg.run.plot_every == 0:
+                    plot_reward_curve(log.path, run_dir / "reward_curve.png", title=cfg.name)
                 if bar is not None:
                     reward = record.get("rollout/reward_mean")
                     bar.set_postfix(reward=f"{reward if reward is not None else float('nan'):.3f}")
                     bar.update(1)
         final = run_dir / "checkpoints" / "final"
         trainer.save_hf_checkpoint(final)
+        if evaluator is not None and log is not None:
+            for row in evaluator.finish(cfg.run.num_steps):
+                log.log(row)
+            shutil.rmtree(run_dir / "eval_snapshots", ignore_errors=True)
         if log is None:
             return None
         log.close()
@@ -261,6 +291,8 @@ def train(cfg: RunConfig) -> RunResult | None:
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing worth keeping
         raise
     finally:
+        if evaluator is not None:
+            evaluator.close()
         if dump is not None:
             dump.close()
         if source is not None:

@@ -98,6 +98,7 @@ class AsyncRollout:
         self._window_start = time.perf_counter()
         self._stop = threading.Event()
         self._failure: BaseException | None = None
+        self._admission_paused = False
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="miles-rollout", daemon=True)
@@ -118,7 +119,7 @@ class AsyncRollout:
             loop.close()
 
     def _may_admit(self) -> bool:
-        if self._stop.is_set() or not self.buffer.has_room():
+        if self._stop.is_set() or self._admission_paused or not self.buffer.has_room():
             return False
         # Keep one group's worth of samples waiting behind the slots, so a freed slot is
         # refilled at once (per-sample scheduling) without starting unboundedly many groups.
@@ -311,6 +312,16 @@ class AsyncRollout:
         for k, c in collections.Counter(staleness).items():
             metrics[f"staleness_hist_{k}"] = float(c)
         return RolloutBatch(groups=groups, metrics=metrics, seconds=time.perf_counter() - t0)
+
+    def pause_admission(self) -> None:
+        """Start no new samples (those in flight go on), e.g. while an eval set runs on the
+        same engines."""
+        self._admission_paused = True
+
+    def resume_admission(self) -> None:
+        """Start samples again after :meth:`pause_admission`."""
+        self._admission_paused = False
+        self._poke()
 
     def weights_updated(self, version: int) -> None:
         """The engines serve ``version`` now: pacing may admit more, staleness is measured
