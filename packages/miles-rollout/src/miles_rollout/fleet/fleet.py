@@ -128,6 +128,7 @@ class Fleet:
                     child.stop(self.config.stop_timeout_s)
             self.close()
             raise
+        self._poll_stats()  # a baseline, so even an engine that dies at once has counters
         self._monitor = threading.Thread(target=self._watch, name="fleet-monitor", daemon=True)
         self._monitor.start()
         return self

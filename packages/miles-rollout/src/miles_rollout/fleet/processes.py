@@ -97,7 +97,7 @@ class Spawner:
         log_path: Path,
         env: Mapping[str, str] | None = None,
     ) -> ChildProcess:
-        """Start ``argv`` with stdout and stderr appended to ``log_path``.
+        """Start ``argv`` with stdout and stderr written to ``log_path`` (truncated first).
 
         Raises:
             FileNotFoundError: the executable does not exist.
@@ -105,7 +105,7 @@ class Spawner:
         log_path.parent.mkdir(parents=True, exist_ok=True)
 
         def start() -> subprocess.Popen[bytes]:
-            with open(log_path, "ab") as log:
+            with open(log_path, "wb") as log:
                 log.write(f"$ {' '.join(argv)}\n".encode())
                 log.flush()
                 return subprocess.Popen(

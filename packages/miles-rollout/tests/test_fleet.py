@@ -1,0 +1,338 @@
+"""A real fleet: engine processes behind the real sglang-router 0.3.2 (skipped without it).
+
+Which engine served a request is read from the engine itself: each engine of the shared fleet
+is given its own weight version (``e0``, ``e1``, ...; ``/update_weight_version`` sent to the
+engine directly), which it reports in every response, and its token counters
+(``/get_server_info``) must add up to what the responses tagged with it say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from miles_rollout import GenerateOutput, SamplingParams, SGLangClient, SGLangHTTPError
+from miles_rollout.fleet import Fleet, FleetConfig
+from miles_rollout.fleet.processes import wait_gone
+from miles_rollout.fleet.router import find_router
+
+try:
+    find_router()
+    HAVE_ROUTER = True
+except FileNotFoundError:
+    HAVE_ROUTER = False
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not HAVE_ROUTER, reason="sglang-router is not installed"),
+]
+
+
+def _get(url: str) -> object:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _generated(url: str) -> int:
+    info = _get(url + "/get_server_info")
+    assert isinstance(info, dict)
+    return sum(s["num_generated_tokens"] for s in info["internal_states"])
+
+
+def _load(url: str) -> int:
+    loads = _get(url + "/get_load")
+    assert isinstance(loads, list)
+    return sum(int(r["num_reqs"]) for r in loads)
+
+
+async def _until(check: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+def _params(n: int = 4, seed: int = 0) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True, seed=seed)
+
+
+async def _tag(fleet: Fleet) -> dict[str, int]:
+    """Give each live engine the weight version ``e<index>``; return tag -> index."""
+    tags = {}
+    for e in fleet.engines:
+        if e.alive:
+            async with SGLangClient(e.url) as c:
+                await c.update_weight_version(f"e{e.index}")
+            tags[f"e{e.index}"] = e.index
+    return tags
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    cfg = FleetConfig(
+        model_path=str(model_dir),
+        engines=2,
+        engine_args={"num_threads": 1},  # two engines on two cores
+        log_dir=str(tmp_path_factory.mktemp("fleet-logs")),
+        startup_timeout_s=300,
+    )
+    with cfg.build() as f:
+        asyncio.run(_tag(f))
+        yield f
+    assert wait_gone(f.pids, 30) == [], "close() left processes running"
+
+
+def test_sessions_stick_to_one_engine_under_load(fleet: Fleet) -> None:
+    """8 concurrent sessions x 4 turns of growing prompts, each session its own routing key."""
+    urls = {f"e{e.index}": e.url for e in fleet.engines}
+    before = {tag: _generated(url) for tag, url in urls.items()}
+
+    async def session(s: int, client: SGLangClient) -> list[GenerateOutput]:
+        ids, outs = [10 + s, 40 + s, 70 + s, 11, 12, 13], []
+        for turn in range(4):
+            out = await client.generate(
+                ids, _params(seed=10 * s + turn), rid=f"s{s}-t{turn}", routing_key=f"load-{s}"
+            )
+            outs.append(out)
+            ids = ids + out.output_ids + [20 + turn, 21 + turn]  # a tool result, then the next turn
+        return outs
+
+    async def main() -> list[list[GenerateOutput]]:
+        async with SGLangClient(fleet.url, timeout=120) as c:
+            return list(await asyncio.gather(*(session(s, c) for s in range(8))))
+
+    sessions = asyncio.run(main())
+    served: Counter[str] = Counter()
+    for s, outs in enumerate(sessions):
+        tags = {o.weight_version for o in outs}
+        assert len(tags) == 1, f"session {s} moved between engines: {tags}"
+        assert [o.rid for o in outs] == [f"s{s}-t{t}" for t in range(4)]
+        for o in outs:
+            served[o.weight_version] += o.completion_tokens
+    # The engines' own counters agree with what their responses say they served.
+    assert {tag: _generated(url) - before[tag] for tag, url in urls.items()} == {
+        tag: served[tag] for tag in urls
+    }
+    assert sum(served.values()) == 8 * 4 * 4
+
+
+def test_new_session_goes_to_the_least_loaded_engine(fleet: Fleet) -> None:
+    """An engine holding a request in flight gets no new session while another is idle."""
+    by_tag = {f"e{e.index}": e for e in fleet.engines}
+
+    async def main() -> None:
+        async with SGLangClient(fleet.url, timeout=120) as c:
+            busy_tag = (await c.generate([5, 6, 7], _params(2), routing_key="busy")).weight_version
+            busy, other = by_tag[busy_tag], next(e for t, e in by_tag.items() if t != busy_tag)
+            before = {t: _generated(e.url) for t, e in by_tag.items()}
+            async with SGLangClient(busy.url) as direct:
+                await direct.pause_generation("in_place")
+                try:
+                    held = asyncio.create_task(
+                        c.generate([5, 6, 7], _params(3), routing_key="busy")
+                    )
+                    await _until(lambda: _load(busy.url) >= 1, "the held request on its engine")
+                    fresh = [
+                        await c.generate([8, 9, i], _params(2), routing_key=f"fresh-{i}")
+                        for i in range(3)
+                    ]
+                finally:
+                    await direct.continue_generation()
+                out = await held
+            assert out.weight_version == busy_tag
+            assert [o.weight_version for o in fresh] == [f"e{other.index}"] * 3
+            assert _generated(other.url) - before[f"e{other.index}"] == 3 * 2
+            assert _generated(busy.url) - before[busy_tag] == 3
+
+    asyncio.run(main())
+
+
+def _retriable(exc: BaseException) -> bool:
+    """A failure a client may retry: a 5xx from the router or a dropped connection."""
+    if isinstance(exc, SGLangHTTPError):
+        return exc.status >= 500
+    return isinstance(exc, aiohttp.ClientError)
+
+
+async def _turn_with_retries(
+    c: SGLangClient, ids: list[int], key: str, deadline_s: float = 90.0
+) -> GenerateOutput:
+    """What a session client does: retry a turn after a retriable failure."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return await c.generate(ids, _params(2), routing_key=key)
+        except (SGLangHTTPError, aiohttp.ClientError) as exc:
+            error: BaseException = exc
+        assert _retriable(error), error
+        assert time.monotonic() < deadline, f"{key} never got through: {error}"
+        await asyncio.sleep(0.5)
+
+
+def test_engine_death_moves_its_sessions_and_a_replacement_joins(fleet: Fleet) -> None:
+    by_tag = {f"e{e.index}": e for e in fleet.engines}
+
+    async def main() -> None:
+        async with SGLangClient(fleet.url, timeout=120) as c:
+            keys: dict[str, list[str]] = {t: [] for t in by_tag}
+            for i in range(6):
+                out = await c.generate([30, 31, i], _params(2), routing_key=f"doomed-{i}")
+                keys[out.weight_version].append(f"doomed-{i}")
+            victim_tag = next(t for t, k in keys.items() if k)
+            victim = by_tag[victim_tag]
+            survivor = next(e for t, e in by_tag.items() if t != victim_tag)
+            # Two turns in flight on the victim (paused in place), then it dies.
+            async with SGLangClient(victim.url) as direct:
+                await direct.pause_generation("in_place")
+            in_flight = [
+                asyncio.create_task(c.generate([30, 31, 9], _params(2), routing_key=k))
+                for k in keys[victim_tag][:2]
+            ]
+            await _until(lambda: _load(victim.url) >= len(in_flight), "turns in flight")
+            os.kill(victim.pid, signal.SIGKILL)
+
+            # Nothing hangs: each in-flight turn ends, re-run elsewhere or as a retriable error.
+            ends = await asyncio.wait_for(asyncio.gather(*in_flight, return_exceptions=True), 90)
+            for end in ends:
+                if isinstance(end, BaseException):
+                    assert _retriable(end), end
+                else:
+                    assert end.weight_version == f"e{survivor.index}"
+            # The victim's sessions carry on on the survivor and stay there.
+            for k in keys[victim_tag]:
+                out = await _turn_with_retries(c, [30, 31, 7], k)
+                assert out.weight_version == f"e{survivor.index}"
+                again = await c.generate([30, 31, 7, 1], _params(2), routing_key=k)
+                assert again.weight_version == f"e{survivor.index}"
+            for k in keys[f"e{survivor.index}"]:  # the survivor's own sessions never moved
+                out = await c.generate([30, 31, 8], _params(2), routing_key=k)
+                assert out.weight_version == f"e{survivor.index}"
+
+            # The fleet reported the death and the moved sessions.
+            await _until(
+                lambda: any(ev.kind == "engine_died" for ev in fleet.events), "engine_died"
+            )
+            died = next(ev for ev in fleet.events if ev.kind == "engine_died")
+            assert died.engine == victim.index
+            assert died.detail["status"] == -signal.SIGKILL
+            await _until(lambda: fleet.metrics()["fleet/sessions_moved"] >= 1, "sessions_moved")
+            m = fleet.metrics()
+            assert m["fleet/engine_deaths"] == 1
+            assert m["fleet/engines_alive"] == 1
+
+            # A replacement joins the router and takes new sessions while the survivor is busy.
+            new = await asyncio.to_thread(fleet.add_engine)
+            assert new.index == 2
+            await _tag(fleet)
+            async with SGLangClient(survivor.url) as direct:
+                await direct.pause_generation("in_place")
+                try:
+                    held = asyncio.create_task(
+                        c.generate([30, 31, 6], _params(2), routing_key=keys[victim_tag][0])
+                    )
+                    await _until(lambda: _load(survivor.url) >= 1, "the held request")
+                    fresh = await c.generate([30, 31, 5], _params(2), routing_key="after-join")
+                finally:
+                    await direct.continue_generation()
+                await held
+            assert fresh.weight_version == "e2"
+            assert any(ev.kind == "engine_added" and ev.engine == 2 for ev in fleet.events)
+
+    asyncio.run(main())
+
+
+def _start_cli(argv: list[str], log: Path) -> tuple[subprocess.Popen[str], str, list[int]]:
+    """Run ``miles-rollout fleet``; return it, the router URL and the PIDs it printed."""
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "miles_rollout.cli", "fleet", *argv],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    lines: queue.Queue[str | None] = queue.Queue()
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    def read() -> None:
+        for line in stdout:
+            lines.put(line)
+        lines.put(None)  # the fleet exited
+
+    threading.Thread(target=read, daemon=True).start()
+    pids: list[int] = []
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            line = None
+        if line is None:
+            proc.kill()
+            raise AssertionError(f"the fleet never printed its URL:\n{log.read_text()[-3000:]}")
+        pids += [int(p) for p in re.findall(r"\(pid (\d+)\)", line)]
+        m = re.search(r" at (http://\S+)$", line.strip())
+        if m and "fleet of" in line:
+            return proc, m.group(1), pids
+
+
+def _generate_once(url: str) -> GenerateOutput:
+    async def main() -> GenerateOutput:
+        async with SGLangClient(url, timeout=120) as c:
+            return await c.generate([5, 6, 7], _params(2), routing_key="cli")
+
+    return asyncio.run(main())
+
+
+def test_cli_fleet_stops_every_child_on_sigterm(model_dir: Path, tmp_path: Path) -> None:
+    base = ["--model-path", str(model_dir), "--router-port", "0", "--log-dir", str(tmp_path)]
+    proc, url, pids = _start_cli(
+        [*base, "--engine-num-threads", "1"],
+        tmp_path / "fleet.err",
+    )
+    try:
+        assert len(pids) == 2  # one engine, the router
+        assert _generate_once(url).completion_tokens == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+    assert wait_gone(pids, 30) == []
+
+
+def test_cli_fleet_killed_outright_takes_its_children_along(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGKILL leaves the fleet no chance to clean up: PDEATHSIG does. Also the 'command'
+    backend, with our own server as the command."""
+    command = (
+        f"{sys.executable} -m miles_rollout.cli serve --model-path {model_dir} "
+        "--host {host} --port {port} --num-threads 1"
+    )
+    base = ["--model-path", str(model_dir), "--router-port", "0", "--log-dir", str(tmp_path)]
+    proc, url, pids = _start_cli(
+        [*base, "--backend", "command", "--command", command],
+        tmp_path / "fleet.err",
+    )
+    try:
+        assert len(pids) == 2
+        assert _generate_once(url).completion_tokens == 2
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_gone(pids, 30) == []
