@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import io
 import json
-import shutil
 import threading
 import time
 import urllib.error
@@ -23,23 +22,16 @@ from typing import Any
 
 import pytest
 from aiohttp import ClientSession, web
+from chat_fixtures import with_chat_template
 
 from miles_rollout import Engine, EngineConfig, SamplingParams, serve
 from miles_rollout.cli import main as cli_main
 from miles_rollout.session import serve_sessions
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 
 @pytest.fixture(scope="module")
 def chat_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("chat") / "tiny-chat"
-    shutil.copytree(model_dir, path)
-    (path / "chat_template.jinja").write_text(CHATML)
-    return path
+    return with_chat_template(model_dir, tmp_path_factory.mktemp("chat") / "tiny-chat")
 
 
 def _engine(path: Path) -> Engine:
