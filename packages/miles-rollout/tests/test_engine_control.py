@@ -231,6 +231,52 @@ def test_each_output_token_reports_the_weight_version_that_made_it(fresh_engine:
     assert out.weight_version == "1"
 
 
+@pytest.mark.parametrize("endpoint", ["/update_weight_version", "/update_weights_from_tensor"])
+def test_updates_over_http_abort_requests_only_when_asked(
+    fresh_engine: Engine, endpoint: str
+) -> None:
+    """SGLang's /update_weight_version aborts everything by default; ours never unless asked."""
+    import asyncio
+
+    import aiohttp
+
+    from miles_rollout import serve
+    from miles_transfer import serialize_named_tensors
+
+    def body(version: str, abort: bool | None) -> dict[str, object]:
+        if endpoint == "/update_weight_version":
+            out: dict[str, object] = {"new_version": version}
+        else:
+            norm = [("model.norm.weight", torch.full((64,), 1.25))]
+            out = {"serialized_named_tensors": [serialize_named_tensors(norm)]}
+            out["weight_version"] = version
+        if abort is not None:
+            out["abort_all_requests"] = abort
+        return out
+
+    async def update(url: str, payload: dict[str, object]) -> int:
+        async with aiohttp.ClientSession() as s, s.post(url + endpoint, json=payload) as r:
+            return r.status
+
+    with serve(fresh_engine) as handle:
+        long = SamplingParams(max_new_tokens=40, ignore_eos=True, seed=3)
+        for version, abort in (("1", None), ("2", False), ("3", True)):
+            fut = fresh_engine.submit(PROMPTS[0], long)
+            _wait_running(fresh_engine, 1)
+            fresh_engine.pause_generation("in_place")  # so the update lands mid-request
+            assert asyncio.run(update(handle.url, body(version, abort))) == 200
+            fresh_engine.continue_generation()
+            out = fut.result(timeout=30)
+            if abort:
+                assert out.finish_reason.type == "abort"
+                assert out.completion_tokens < 40
+            else:
+                assert out.finish_reason.type == "length"
+                assert out.completion_tokens == 40
+                assert (out.output_weight_versions or [])[-1] == version
+            assert fresh_engine.weight_version == version
+
+
 def test_shutdown_aborts_in_flight_requests(model_dir: Path) -> None:
     eng = EngineConfig(model_path=str(model_dir)).build()
     futs = _submit_long(eng)

@@ -208,7 +208,7 @@ def test_miles_transfer_http_receiver_round_trip(model_dir: Path) -> None:
 
 def test_routing_key_api_key_and_missing_checksum_endpoint() -> None:
     """Against a bare aiohttp app standing in for a stock SGLang worker: the client's headers."""
-    seen: list[dict[str, str]] = []
+    seen: list[dict[str, Any]] = []
 
     async def generate(request: web.Request) -> web.Response:
         seen.append(dict(request.headers))
@@ -229,9 +229,14 @@ def test_routing_key_api_key_and_missing_checksum_endpoint() -> None:
             }
         )
 
+    async def update_weight_version(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({"success": True, "message": "ok"})
+
     async def main() -> None:
         app = web.Application()
         app.router.add_post("/generate", generate)
+        app.router.add_post("/update_weight_version", update_weight_version)
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -250,12 +255,16 @@ def test_routing_key_api_key_and_missing_checksum_endpoint() -> None:
                 assert out.cached_tokens == 0
                 with pytest.raises(SGLangHTTPError, match="not a miles-rollout server"):
                     await c.weights_checksum()
+                # SGLang aborts every request on a version update unless told not to: the
+                # client always says so.
+                await c.update_weight_version("v2")
         finally:
             await runner.cleanup()
 
     asyncio.run(main())
     assert seen[0]["X-SMG-Routing-Key"] == "sess-1"
     assert seen[0]["Authorization"] == "Bearer k"
+    assert seen[1] == {"new_version": "v2", "abort_all_requests": False}
 
 
 def test_client_retries_idempotent_calls_only() -> None:

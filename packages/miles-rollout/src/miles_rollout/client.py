@@ -251,10 +251,17 @@ class SGLangClient:
         await self._request("POST", "/continue_generation", {}, idempotent=True)
 
     async def update_weights_from_disk(
-        self, model_path: str, *, weight_version: str | None = None
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
     ) -> None:
-        """``POST /update_weights_from_disk``; raises ``ValueError`` if the server refuses."""
-        body: dict[str, Any] = {"model_path": model_path}
+        """``POST /update_weights_from_disk``; raises ``ValueError`` if the server refuses.
+
+        ``abort_all_requests`` is always sent: requests in flight continue unless asked.
+        """
+        body: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = weight_version
         resp = await self._request("POST", "/update_weights_from_disk", body, idempotent=False)
@@ -267,21 +274,29 @@ class SGLangClient:
         load_format: str | None = None,
         weight_version: str | None = None,
         flush_cache: bool = True,
+        abort_all_requests: bool = False,
     ) -> None:
         """``POST /update_weights_from_tensor`` (one payload per TP rank)."""
         body: dict[str, Any] = {
             "serialized_named_tensors": list(serialized_named_tensors),
             "load_format": load_format,
             "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
         }
         if weight_version is not None:
             body["weight_version"] = weight_version
         resp = await self._request("POST", "/update_weights_from_tensor", body, idempotent=False)
         _check_success(resp, "/update_weights_from_tensor")
 
-    async def update_weight_version(self, new_version: str) -> None:
-        """``POST /update_weight_version``."""
-        body = {"new_version": new_version}
+    async def update_weight_version(
+        self, new_version: str, *, abort_all_requests: bool = False
+    ) -> None:
+        """``POST /update_weight_version``.
+
+        ``abort_all_requests`` is always sent, because SGLang's own default is to abort every
+        request in flight; Miles lets them finish unless asked.
+        """
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
         resp = await self._request("POST", "/update_weight_version", body, idempotent=True)
         _check_success(resp, "/update_weight_version")
 
@@ -434,11 +449,17 @@ class LocalEngineClient:
         await self._run(self.engine.continue_generation)
 
     async def update_weights_from_disk(
-        self, model_path: str, *, weight_version: str | None = None
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
     ) -> None:
         """See :meth:`Engine.update_weights_from_disk`."""
         await self._run(
-            lambda: self.engine.update_weights_from_disk(model_path, weight_version=weight_version)
+            lambda: self.engine.update_weights_from_disk(
+                model_path, weight_version=weight_version, abort_all_requests=abort_all_requests
+            )
         )
 
     async def update_weights_from_tensor(
@@ -448,6 +469,7 @@ class LocalEngineClient:
         load_format: str | None = None,
         weight_version: str | None = None,
         flush_cache: bool = True,
+        abort_all_requests: bool = False,
     ) -> None:
         """Decode payloads as the server does, then :meth:`Engine.update_weights_from_tensor`."""
         decoded = [
@@ -458,13 +480,22 @@ class LocalEngineClient:
         named = decoded[0]
         await self._run(
             lambda: self.engine.update_weights_from_tensor(
-                named, weight_version=weight_version, flush_cache=flush_cache
+                named,
+                weight_version=weight_version,
+                flush_cache=flush_cache,
+                abort_all_requests=abort_all_requests,
             )
         )
 
-    async def update_weight_version(self, new_version: str) -> None:
+    async def update_weight_version(
+        self, new_version: str, *, abort_all_requests: bool = False
+    ) -> None:
         """See :meth:`Engine.update_weight_version`."""
-        await self._run(lambda: self.engine.update_weight_version(new_version))
+        await self._run(
+            lambda: self.engine.update_weight_version(
+                new_version, abort_all_requests=abort_all_requests
+            )
+        )
 
     async def weights_checksum(self, names: Sequence[str] | None = None) -> dict[str, str]:
         """See :meth:`Engine.weights_checksum`."""

@@ -403,10 +403,17 @@ class Engine:
         """The version of the weights served now."""
         return self._weight_version
 
-    def update_weight_version(self, new_version: str) -> None:
-        """Set the weight version string without touching weights."""
+    def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> None:
+        """Set the weight version string without touching weights.
+
+        Requests in flight are not aborted unless asked (SGLang's endpoint aborts them all by
+        default; Miles keeps them on purpose: an async RL loop would otherwise throw away every
+        partial group at each update). Their later tokens report the new version.
+        """
         if not isinstance(new_version, str):
             raise ValueError(f"weight_version must be a string, got {new_version!r}")
+        if abort_all_requests:
+            self.abort_request(abort_all=True)
 
         def apply() -> None:
             self._weight_version = new_version
@@ -419,6 +426,7 @@ class Engine:
         *,
         weight_version: str | None = None,
         flush_cache: bool = True,
+        abort_all_requests: bool = False,
     ) -> None:
         """Copy tensors (HF names) into the served weights, all or nothing.
 
@@ -434,6 +442,7 @@ class Engine:
             flush_cache: drop the prefix cache (KV computed with the old weights), as SGLang's
                 ``flush_cache`` after an update; requests in flight keep their own KV but do
                 not enter the cache. ``False`` keeps stale entries (SGLang's behaviour too).
+            abort_all_requests: abort every request first (default: they continue).
 
         Raises:
             ValueError: unknown names, wrong shapes or non-float dtypes (all listed).
@@ -441,6 +450,8 @@ class Engine:
         if weight_version is not None and not isinstance(weight_version, str):
             raise ValueError(f"weight_version must be a string, got {weight_version!r}")
         items = list(named_tensors)
+        if abort_all_requests:
+            self.abort_request(abort_all=True)
 
         def apply() -> None:
             pairs = prepare_update(self._params, items, self.dtype)

@@ -225,6 +225,7 @@ class _Routes:
                     model_path,
                     weight_version=version,
                     abort_all_requests=bool(body.get("abort_all_requests", False)),
+                    flush_cache=bool(body.get("flush_cache", True)),
                 )
             )
         except ValueError as exc:
@@ -263,13 +264,12 @@ class _Routes:
                     f"got {len(decoded)} payloads; this server has tp_size 1 (send one payload)"
                 )
             named = decoded[0]
-            if body.get("abort_all_requests"):
-                await self._run(lambda: self.engine.abort_request(abort_all=True))
             await self._run(
                 lambda: self.engine.update_weights_from_tensor(
                     named,
                     weight_version=version,
                     flush_cache=bool(body.get("flush_cache", True)),
+                    abort_all_requests=bool(body.get("abort_all_requests", False)),
                 )
             )
         except ValueError as exc:
@@ -285,9 +285,11 @@ class _Routes:
         new_version = body.get("new_version")
         if not isinstance(new_version, str):
             raise ValueError("new_version (a string) is required")
-        if body.get("abort_all_requests"):
-            await self._run(lambda: self.engine.abort_request(abort_all=True))
-        await self._run(lambda: self.engine.update_weight_version(new_version))
+        # Not SGLang's default (abort everything): requests in flight continue unless asked.
+        abort = bool(body.get("abort_all_requests", False))
+        await self._run(
+            lambda: self.engine.update_weight_version(new_version, abort_all_requests=abort)
+        )
         return web.json_response(
             {
                 "success": True,
