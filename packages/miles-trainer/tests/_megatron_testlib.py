@@ -52,7 +52,7 @@ def tiny_moe_config() -> Any:
     """A 2-layer hidden-64 Qwen3-MoE: 4 experts, top-2, normalised top-k, untied."""
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(
+    return Qwen3MoeConfig(  # type: ignore[call-arg]
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -70,7 +70,7 @@ def tiny_moe_config() -> Any:
     )
 
 
-def hf_model(config: Any, *, seed: int = 0) -> torch.nn.Module:
+def hf_model(config: Any, *, seed: int = 0) -> Any:
     """A randomly initialised HF causal LM of ``config`` (float32, eval mode)."""
     from transformers import AutoModelForCausalLM
 

@@ -3,7 +3,9 @@ same shards as miles-transfer's `megatron_layout` describes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import product
+from typing import Any
 
 import pytest
 import torch
@@ -51,7 +53,9 @@ def _assert_bits_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
         (tiny_moe_config, 1, 2, 4, 2),
     ],
 )
-def test_round_trip_is_bit_exact(make, tp: int, pp: int, ep: int, etp: int) -> None:
+def test_round_trip_is_bit_exact(
+    make: Callable[[], Any], tp: int, pp: int, ep: int, etp: int
+) -> None:
     config = make()
     full = hf_state(config)
     dims = ModelDims.from_hf_config(config, vocab_multiple=128 * tp)
@@ -78,7 +82,9 @@ def test_qkv_is_interleaved_per_query_group() -> None:
     ("make", "tp", "pp", "ep", "etp"),
     [(tiny_qwen3_config, 2, 2, 1, 1), (tiny_moe_config, 2, 1, 2, 1), (tiny_moe_config, 1, 1, 2, 1)],
 )
-def test_shards_match_miles_transfer_megatron_layout(make, tp, pp, ep, etp) -> None:
+def test_shards_match_miles_transfer_megatron_layout(
+    make: Callable[[], Any], tp: int, pp: int, ep: int, etp: int
+) -> None:
     mt = pytest.importorskip("miles_transfer")
     config = make()
     full = hf_state(config)
@@ -145,7 +151,7 @@ def test_layers_must_divide_over_stages() -> None:
 
 
 @pytest.mark.parametrize("make", [tiny_qwen3_config, tiny_llama_config, tiny_moe_config])
-def test_hf_shapes(make) -> None:
+def test_hf_shapes(make: Callable[[], Any]) -> None:
     config = make()
     full = hf_state(config)
     shapes = hf_shapes(ModelDims.from_hf_config(config, vocab_multiple=128))

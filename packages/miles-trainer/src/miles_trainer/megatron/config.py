@@ -62,6 +62,12 @@ class MegatronConfig:
                 "MegatronConfig.sequence_parallel needs tp > 1 (it splits the sequence over the "
                 "tensor-parallel ranks); set tp >= 2 or sequence_parallel: false"
             )
+        if self.ep > 1 and self.tp > 1 and not self.sequence_parallel:
+            # megatron-core only warns, and its MoE layer then counts every token tp times.
+            raise ValueError(
+                "MegatronConfig: expert parallelism with tensor parallelism needs "
+                "sequence_parallel: true (megatron-core's MoE layer requires it)"
+            )
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(
                 f"MegatronConfig.transformer_impl must be one of {TRANSFORMER_IMPLS}, got "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import math
 import threading
 import warnings
@@ -34,13 +35,6 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-try:  # every module of the backend imports this one first: one clear message
-    import megatron.core  # noqa: F401
-except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError(
-        "the Megatron backend needs megatron-core: pip install 'miles-trainer[megatron]'"
-    ) from exc
 
 __all__ = [
     "cpu_scope",
@@ -95,13 +89,46 @@ class _CudaToCpu(TorchFunctionMode):
 
 @contextlib.contextmanager
 def quiet_megatron() -> Iterator[None]:
-    """Silence the warnings megatron-core's training glue raises on every step in torch 2.13
-    (deprecated collective names; ``.grad`` read on the distributed optimizer's shard views),
-    on any device; they say nothing about this run."""
+    """Silence what megatron-core 0.16.1 warns on every import, build and step in torch 2.13,
+    on any device: its fallbacks without Apex / Transformer Engine (the path this backend
+    takes on purpose), its own deprecation notices (process groups it looks up itself, old
+    module paths), torch's deprecated collective names it calls, and ``.grad`` reads on the
+    distributed optimizer's shard views. None says anything about this run."""
     with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.")
         warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use .*_single")
         warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not")
+        warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+        warnings.filterwarnings("ignore", message=r"(?s).*custom_layers\.transformer_engine")
+        warnings.filterwarnings("ignore", message=r"(?s).*requires ffn_hidden_size")
+        warnings.filterwarnings("ignore", message=r"(?s).*dynamic_context\.py")
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated")
         yield
+
+
+def _import_megatron() -> None:
+    """Import megatron-core (and its modules that warn at import) quietly, or fail with the
+    install command; every module of this backend imports this one first."""
+    with quiet_megatron():
+        try:
+            for name in (
+                "megatron.core",
+                "megatron.core.optimizer",
+                "megatron.core.distributed",
+                "megatron.core.models.gpt.gpt_layer_specs",
+                "megatron.core.models.gpt.gpt_model",
+            ):
+                importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not exc.name.startswith("megatron"):
+                raise
+            raise ImportError(
+                "the Megatron backend needs megatron-core: pip install 'miles-trainer[megatron]'"
+            ) from exc
+
+
+_import_megatron()
 
 
 def _cpu_current_device() -> torch.device:
