@@ -48,12 +48,23 @@ def test_bfloat16_is_hf_eager_attention() -> None:
     assert torch.equal(out, want)
 
 
-def test_a_mask_goes_to_sdpa() -> None:
-    q, k, v = _qkv(torch.float32)
+def test_a_boolean_mask_is_applied_and_an_additive_one_goes_to_sdpa() -> None:
+    """Packed batches hand a boolean [B, 1, L, L] mask (True: attend): the eager maths apply
+    it, bit for bit HF's eager attention with the same mask; an additive mask goes to SDPA."""
+    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
+
     keep = torch.ones(9, 9, dtype=torch.bool).tril()
-    keep[:, 0] = False  # not causal: attends to no position 0
-    keep[0, 0] = True
+    keep[4:, :4] = False  # two packed samples: positions 0-3 and 4-8
+    q, k, v = _qkv(torch.bfloat16)
     out, _ = gqa_eager_attention(MODULE, q, k, v, keep[None, None], scaling=0.25)  # type: ignore[arg-type]
+    low = torch.finfo(torch.bfloat16).min
+    additive = torch.zeros(9, 9, dtype=torch.bfloat16).masked_fill(~keep, low)[None, None]
+    want, _ = eager_attention_forward(MODULE, q, k, v, additive, scaling=0.25)  # type: ignore[arg-type]
+    assert torch.equal(out, want)
+
+    q, k, v = _qkv(torch.float32)
+    additive32 = torch.zeros(9, 9).masked_fill(~keep, float("-inf"))[None, None]
+    out, _ = gqa_eager_attention(MODULE, q, k, v, additive32, scaling=0.25)  # type: ignore[arg-type]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(out, want.transpose(1, 2).contiguous(), atol=1e-6, rtol=1e-5)
 

@@ -39,9 +39,11 @@ def gqa_eager_attention(
         query: ``[B, H, L, D]``.
         key: ``[B, KV, L, D]`` with ``H % KV == 0``.
         value: ``[B, KV, L, D]``.
-        attention_mask: must be None: the trainer feeds right-padded batches without a mask
-            (causality keeps padding out of every real position). Anything else (a mask, a
-            KV cache, dropout) is handed to HF's SDPA path unchanged.
+        attention_mask: None (right-padded batches: causality keeps padding out of every
+            real position) or a boolean ``[B or 1, 1, L, L]`` mask, True where a query may
+            attend (packed batches: transformers builds the block-diagonal causal mask from
+            the restarting ``position_ids``, see `attn_implementation`). Anything else (an
+            additive mask, a KV cache, dropout) is handed to HF's SDPA path unchanged.
         scaling: the softmax scale.
         dropout: dropout probability (only honoured through the SDPA fallback).
 
@@ -50,7 +52,14 @@ def gqa_eager_attention(
     """
     B, H, L, D = query.shape
     KV = key.shape[1]
-    if attention_mask is not None or key.shape[2] != L or (dropout > 0 and module.training):
+    bool_mask = (
+        attention_mask is not None
+        and attention_mask.dtype == torch.bool
+        and attention_mask.dim() == 4
+        and tuple(attention_mask.shape[1:]) == (1, L, L)
+    )
+    plain = attention_mask is None or bool_mask
+    if not plain or key.shape[2] != L or (dropout > 0 and module.training):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
@@ -63,8 +72,11 @@ def gqa_eager_attention(
     # In place (the same bits as ``* scaling`` and ``masked_fill``): neither op's backward
     # needs the scores, and each out-of-place copy was a full pass over B x H x L x L.
     scores.mul_(scaling)
-    future_LL = torch.ones(L, L, dtype=torch.bool, device=query.device).triu_(1)
-    scores = scores.view(B, KV, G, L, L).masked_fill_(future_LL, float("-inf"))
+    if attention_mask is None:
+        hidden = torch.ones(L, L, dtype=torch.bool, device=query.device).triu_(1)
+    else:
+        hidden = ~attention_mask.unsqueeze(2)  # [B, 1, 1, L, L] against [B, KV, G, L, L]
+    scores = scores.view(B, KV, G, L, L).masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     out_BKQD = torch.matmul(probs.view(B, KV, G * L, L), value)
     return out_BKQD.view(B, H, L, D).transpose(1, 2).contiguous(), None
@@ -79,6 +91,11 @@ def attn_implementation(dtype: torch.dtype, device: torch.device) -> str:
     if dtype == torch.float32 or device.type != "cpu":
         return "sdpa"
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(GQA_EAGER, gqa_eager_attention)
+    # Without a mask function transformers builds no mask for a custom attention, and a packed
+    # row (sequence packing) would attend across its samples. SDPA's mask is None for a plain
+    # causal batch (the fast path above) and the boolean block-diagonal mask for a packed one.
+    AttentionMaskInterface.register(GQA_EAGER, sdpa_mask)
     return GQA_EAGER
