@@ -230,6 +230,9 @@ class FSDPTrainer:
             sum(batch.response_lengths),
             batch.num_loss_tokens(),
             sum(sum(t) for t in batch.tokens),
+            # rewards and groups decide the advantages each rank computes for itself
+            round(sum(batch.rewards) * 1e6) if batch.rewards is not None else -1,
+            sum(batch.group_ids) if batch.group_ids is not None else -1,
         ]
         t = torch.tensor(fp + [-x for x in fp], dtype=torch.int64, device=self._device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
