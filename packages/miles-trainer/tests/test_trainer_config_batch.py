@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -120,12 +119,3 @@ def test_build_makes_the_backend_trainer(tiny_model_dir: Path) -> None:
     trainer = TrainerConfig(model_path=str(tiny_model_dir), micro_batch_size=2).build()
     assert isinstance(trainer, FSDPTrainer)
     assert isinstance(trainer, Trainer)  # the protocol the loop relies on
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("miles_trainer.megatron") is not None,
-    reason="the Megatron backend is installed (its own tests cover build())",
-)
-def test_megatron_backend_missing_is_a_clear_error() -> None:
-    with pytest.raises(ImportError, match='backend = "megatron": this miles-trainer has no'):
-        TrainerConfig(model_path="/m", backend="megatron").build()

@@ -354,23 +354,14 @@ class TrainerConfig:
         """The trainer of ``backend``, constructed (collective: every rank calls it).
 
         Raises:
-            ImportError: the backend's optional dependency is missing (the message names it),
-                or the backend is not part of this installation.
+            ImportError: the backend's optional dependency is missing (the message names the
+                ``pip install``).
         """
         if self.backend == "fsdp":
             from miles_trainer.fsdp.trainer import FSDPTrainer
 
             return FSDPTrainer(self)
-        try:
-            from miles_trainer.megatron.trainer import (  # type: ignore[import-not-found,unused-ignore]
-                MegatronTrainer,
-            )
-        except ModuleNotFoundError as exc:
-            if exc.name not in ("miles_trainer.megatron", "miles_trainer.megatron.trainer"):
-                raise
-            raise ImportError(
-                'trainer.backend = "megatron": this miles-trainer has no Megatron backend yet '
-                '(miles_trainer.megatron.trainer is missing); use backend "fsdp"'
-            ) from exc
+        from miles_trainer.megatron.trainer import MegatronTrainer  # imports megatron-core
+
         trainer: Trainer = MegatronTrainer(self)
         return trainer
