@@ -37,7 +37,6 @@ from miles.rollout.buffer import token_versions
 from miles.tasks import load_callable
 from miles.weight_sync import PushSync
 from miles_rollout import Sample
-from miles_trainer import FSDPTrainer
 from miles_transfer import WeightReceiver
 
 __all__ = ["RunResult", "check_model_dir", "train"]
@@ -109,8 +108,9 @@ def _progress(total: int, enabled: bool) -> Iterator[Any]:
 
 
 def build_trainer(cfg: RunConfig) -> Trainer:
-    """The recipe's trainer (every rank)."""
-    return FSDPTrainer(cfg.trainer)
+    """The recipe's trainer (every rank): ``trainer.backend`` fsdp or megatron."""
+    trainer: Trainer = cfg.trainer.build()
+    return trainer
 
 
 def build_source(cfg: RunConfig, engines: RolloutEngines) -> RolloutSource:
