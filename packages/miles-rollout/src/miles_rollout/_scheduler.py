@@ -64,6 +64,7 @@ class Request:
     cached_tokens: int = 0
     session: str | None = None  # the routing key (X-SMG-Routing-Key) of its session
     admitted: bool = False  # prefilled at least once (cached_tokens is counted then)
+    prefix_hit: int = 0  # tokens copied from the prefix cache at its latest admission
     cache_epoch: int = -1  # the prefix cache's epoch when its KV was (re)computed
 
 
@@ -85,10 +86,12 @@ class Scheduler:
         weight_version: Callable[[], str],
         num_threads: int | None = None,
         prefix_cache: RadixCache | None = None,
+        reserve_sessions: bool = False,
         name: str = "miles-engine",
     ) -> None:
         self.runner = runner
         self.cache = prefix_cache
+        self.reserve_sessions = reserve_sessions and prefix_cache is not None
         self._cache_epoch = 0
         self._num_threads = num_threads
         self.max_running = max_running
@@ -226,7 +229,15 @@ class Scheduler:
             return
         # The last sampled token was never fed to the model: its KV does not exist yet.
         tokens = [*req.prompt, *req.output_ids[:-1]]
-        self.cache.insert(tokens, lambda start, slots: self.runner.save_to_pool(row, start, slots))
+        session = req.session if self.reserve_sessions else None
+        self.cache.insert(
+            tokens,
+            lambda start, slots: self.runner.save_to_pool(row, start, slots),
+            session=session,
+        )
+        if session is not None:
+            # Room for the next turn: about what this turn added to the cached history.
+            self.cache.reserve(session, tokens, growth=len(tokens) - req.prefix_hit)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -375,6 +386,9 @@ class Scheduler:
         return self.cache.match(seq[: len(seq) - 1])
 
     def _count_admission(self, req: Request, hit: int) -> None:
+        req.prefix_hit = hit
+        if self.cache is not None and req.session is not None:
+            self.cache.touch(req.session)
         if req.admitted:  # a retracted request: counted at its first admission (as SGLang)
             return
         req.admitted = True

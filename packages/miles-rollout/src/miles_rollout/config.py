@@ -53,6 +53,11 @@ class EngineConfig:
         enable_prefix_cache: keep finished requests' KV in a radix tree over token ids and
             reuse the longest cached prefix of each new request (SGLang's radix cache;
             ``--disable-radix-cache`` there). Weight updates drop it.
+        session_reservation: keep each multi-turn session's cached history reserved between
+            its turns (sessions are keyed by ``X-SMG-Routing-Key`` / ``routing_key``), with
+            admission control and the eviction policy in ``_prefix_cache.py``; off: plain
+            LRU.
+        session_ttl_s: a session's reservation expires this long after its last turn.
         prefix_cache_tokens: the prefix cache's capacity in tokens. ``None``: as many as
             512 MiB of keys and values (all layers, the engine dtype) hold, at least twice
             the context length. Memory is taken as the cache fills, not up front.
@@ -69,6 +74,8 @@ class EngineConfig:
     dp_size: int = 1
     enable_prefix_cache: bool = True
     prefix_cache_tokens: int | None = None
+    session_reservation: bool = True
+    session_ttl_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -92,6 +99,8 @@ class EngineConfig:
                 f"prefix_cache_tokens must be at least 1 (or None for the default), got "
                 f"{self.prefix_cache_tokens}; use enable_prefix_cache=False to turn it off"
             )
+        if not self.session_ttl_s > 0:
+            raise ValueError(f"session_ttl_s must be positive, got {self.session_ttl_s}")
         if self.kernel_backend not in ("auto", "native", "torch"):
             raise ValueError(
                 "kernel_backend must be one of ['auto', 'native', 'torch'], got "

@@ -139,7 +139,7 @@ class Engine:
             capacity = config.prefix_cache_tokens
             if capacity is None:
                 capacity = max(_PREFIX_CACHE_DEFAULT_BYTES // runner.pool_bytes(1), 2 * ctx)
-            cache = RadixCache(capacity)
+            cache = RadixCache(capacity, session_ttl_s=config.session_ttl_s)
         scheduler = Scheduler(
             runner,
             max_running=config.max_running_requests,
@@ -147,6 +147,7 @@ class Engine:
             weight_version=lambda: self._weight_version,
             num_threads=threads,
             prefix_cache=cache,
+            reserve_sessions=config.session_reservation,
             name=f"miles-engine-dp{index}" if config.dp_size > 1 else "miles-engine",
         )
         return _Rank(index=index, runner=runner, scheduler=scheduler, cache=cache)
@@ -569,6 +570,11 @@ class Engine:
                     "prefix_cache_inserted_tokens": st.inserted_tokens,
                     "prefix_cache_evicted_tokens": st.evicted_tokens,
                     "prefix_cache_flushes": st.flushes,
+                    "prefix_cache_reserved_tokens": st.reserved_tokens,
+                    "prefix_cache_sessions": st.sessions,
+                    "prefix_cache_reservations_refused": st.reservations_refused,
+                    "prefix_cache_reservations_dropped": st.reservations_dropped,
+                    "prefix_cache_reservations_expired": st.reservations_expired,
                 }
             )
         return state

@@ -400,6 +400,30 @@ _METRICS = [
         "prefix_cache_evicted_tokens",
     ),
     (
+        "miles_rollout:prefix_cache_reserved_tokens",
+        "gauge",
+        "Cached tokens reserved for live sessions.",
+        "prefix_cache_reserved_tokens",
+    ),
+    (
+        "miles_rollout:prefix_cache_sessions",
+        "gauge",
+        "Sessions holding a KV reservation.",
+        "prefix_cache_sessions",
+    ),
+    (
+        "miles_rollout:prefix_cache_reservations_refused_total",
+        "counter",
+        "Sessions refused a reservation (no room kept for them).",
+        "prefix_cache_reservations_refused",
+    ),
+    (
+        "miles_rollout:prefix_cache_reservations_dropped_total",
+        "counter",
+        "Reservations taken over by a growing session.",
+        "prefix_cache_reservations_dropped",
+    ),
+    (
         "miles_rollout:prefix_cache_flushes_total",
         "counter",
         "Times the prefix cache was dropped (flush_cache or a weight update).",
