@@ -13,6 +13,8 @@ T = TypeVar("T")
 
 
 def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -22,13 +24,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
-        errors = []
+        errors: dict[Any, ValueError] = {}
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg, where)
             except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(f"{where}: {value!r} is not a valid {tp}")
+                errors[arg] = e
+        # A mapping meant for an optional nested config: its own error names the bad key.
+        for arg, err in errors.items():
+            if isinstance(value, dict) and dataclasses.is_dataclass(arg):
+                raise err
+        names = " or ".join(_type_name(a) for a in typing.get_args(tp))
+        raise ValueError(f"{where}: {value!r} is not a valid {names}")
     if tp is type(None):
         if value is None:
             return None
