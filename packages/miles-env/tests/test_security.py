@@ -240,7 +240,7 @@ def test_fork_bomb(loop: Loop) -> None:
                 await asyncio.sleep(0.005)
 
         sampler = asyncio.ensure_future(sample())
-        r = await sb.exec(["python3", "-c", BOMB], timeout=3)
+        r = await sb.exec(["python3", "-c", BOMB], timeout=2)
         done.set()
         await sampler
         failures = int((pids_dir / "pids.events").read_text().split()[1])
@@ -256,7 +256,7 @@ def test_fork_bomb(loop: Loop) -> None:
     assert after == "usable"  # the timeout killed the whole tree, background bombs included
     assert left == 0
     figure(
-        "fork bomb (python: every process forks for ever), pids=64, cpus=0.5, timeout=3",
+        "fork bomb (python: every process forks for ever), pids=64, cpus=0.5, timeout=2",
         f"exit {r.exit_code} (timed out) after {r.duration_s:.1f} s; at most {peak} processes "
         f"(pids.max 64; {failures} forks refused); then `echo` ran: {after}; "
         f"{left} left after close",
@@ -325,10 +325,11 @@ def test_disk_fill(loop: Loop) -> None:
 
 
 def test_runaway_time(loop: Loop) -> None:
-    async def go() -> tuple[bool, int, float, str, float]:
-        sb = await make(ttl_s=2.5)
-        try:
+    async def go() -> tuple[bool, int, float, str, float, bool]:
+        async with await make() as sb:
             r = await sb.exec("while :; do :; done", timeout=1)
+        sb = await make(ttl_s=1.0)  # no timeout on the command: the sandbox's ttl_s ends it
+        try:
             start = time.monotonic()
             try:
                 await sb.exec("sleep 600")
@@ -336,18 +337,20 @@ def test_runaway_time(loop: Loop) -> None:
             except SandboxClosedError as e:
                 died = str(e)
             waited = time.monotonic() - start
-            assert not sb.alive()
+            alive = sb.alive()
         finally:
             await sb.close()
-        return r.timed_out, r.exit_code, r.duration_s, died, waited
+        return r.timed_out, r.exit_code, r.duration_s, died, waited, alive
 
-    timed_out, rc, dur, died, waited = loop.run(go())
+    timed_out, rc, dur, died, waited, alive = loop.run(go())
     assert timed_out
     assert rc == 124
-    assert "ttl_s=2.5" in died
+    assert "ttl_s=1" in died
+    assert not alive
     figure(
-        "runaway time: busy loop with timeout=1; then `sleep 600` in a sandbox with ttl_s=2.5",
-        f"busy loop killed after {dur:.2f} s (exit {rc}); sleep ended after {waited:.2f} s: {died}",
+        "runaway time: busy loop with timeout=1; `sleep 600` without a timeout, ttl_s=1",
+        f"busy loop killed after {dur:.2f} s (exit {rc}); the sleep ended after {waited:.2f} s "
+        f"with the sandbox: {died}",
     )
 
 

@@ -67,6 +67,13 @@ def local_available() -> tuple[bool, str]:
     missing = sorted({pkg for tool, pkg in _TOOLS.items() if shutil.which(tool) is None})
     if missing:
         return False, f"missing {', '.join(missing)}: apt-get install {' '.join(missing)}"
+    if os.geteuid() != 0:
+        # Unprivileged, bwrap leaves its command in a nested user namespace that owns none of
+        # the sandbox's other namespaces, so nsenter could not bring commands in.
+        return False, (
+            "the local backend runs as root (each sandbox gets its own unprivileged uid and "
+            "cgroups): run as root, e.g. in a container"
+        )
     return True, ""
 
 
@@ -146,7 +153,7 @@ class LocalSandbox(Sandbox):
             spec: the spec (``image`` is refused; ``network`` may be "none" or "public").
             cgroups: use cgroups for limits and process tracking where writable (False:
                 prlimit only, timeouts kill the command's process group).
-            uid_base: sandboxes run as host uid ``uid_base + randrange(uid_span)`` (as root).
+            uid_base: sandboxes run as host uid ``uid_base + randrange(uid_span)``.
             uid_span: see uid_base.
             max_output_bytes: per-stream output cap of one exec.
             start_timeout_s: how long the sandbox may take to start.
@@ -155,11 +162,10 @@ class LocalSandbox(Sandbox):
         if not ok:
             raise RuntimeError(f"local sandbox backend unavailable: {why}")
         _check_spec(spec)
-        privileged = os.geteuid() == 0
-        host_uid = uid_base + random.randrange(uid_span) if privileged else os.getuid()
+        host_uid = uid_base + random.randrange(uid_span)
         sandbox_id = uuid.uuid4().hex[:12]
         cg = None
-        if cgroups and privileged:
+        if cgroups:
             host = _host_cgroups()
             cg = SandboxCgroups.create(
                 f"{os.getpid()}-{sandbox_id}",
@@ -174,19 +180,13 @@ class LocalSandbox(Sandbox):
         try:
             argv = [
                 *_wrapper(spec, cg, cg.procs_files() if cg else [], holder=True),
-                *(
-                    [
-                        "setpriv",
-                        f"--reuid={host_uid}",
-                        f"--regid={host_uid}",
-                        "--clear-groups",
-                        "--inh-caps=-all",
-                        "--",
-                    ]
-                    if privileged
-                    else []
-                ),
-                *_bwrap_argv(spec, info_fd=info_w, privileged=privileged),
+                "setpriv",
+                f"--reuid={host_uid}",
+                f"--regid={host_uid}",
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--",
+                *_bwrap_argv(spec, info_fd=info_w),
             ]
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -598,16 +598,13 @@ def _dash_ulimits(limits: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def _bwrap_argv(spec: SandboxSpec, *, info_fd: int, privileged: bool) -> list[str]:
-    a = ["bwrap", "--unshare-all", "--unshare-user"]
-    if privileged:
-        # No nested user namespaces inside (as an unprivileged host user, nsenter could not
-        # then enter the sandbox: the nested namespace would own none of the others).
-        a.append("--disable-userns")
+def _bwrap_argv(spec: SandboxSpec, *, info_fd: int) -> list[str]:
+    # --disable-userns: no user namespaces inside (no unprivileged-userns attack surface).
+    a = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns"]
     if spec.network == "public":
         a.append("--share-net")
     a += ["--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox"]
-    a += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+    a += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]  # seen inside as "nobody"
     a += ["--size", str(spec.disk_mb * 1024 * 1024), "--tmpfs", "/"]
     root = Path(spec.rootfs) if spec.rootfs is not None else None
     a += _root_binds(root)
