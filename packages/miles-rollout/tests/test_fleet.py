@@ -1,14 +1,17 @@
 """A real fleet: engine processes behind the real sglang-router 0.3.2 (skipped without it).
 
-Which engine served a request is read from the engine itself: each engine of the shared fleet
-is given its own weight version (``e0``, ``e1``, ...; ``/update_weight_version`` sent to the
-engine directly), which it reports in every response, and its token counters
-(``/get_server_info``) must add up to what the responses tagged with it say.
+The shared fleet has 2 engines x 2 DP ranks: the router sees 4 workers (``url@rank``). Where a
+request ran is read from the engines themselves: each engine gets its own weight version
+(``e0``, ``e1``, ...; ``/update_weight_version`` sent to it directly), which it reports in every
+response; each DP rank has its own prefix cache, so ``cached_tokens`` covering the session's
+previous turn shows the turn ran on the same rank; ``/get_load`` and ``/get_server_info`` give
+per-rank requests and token counters, which must add up to what the responses say.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import queue
@@ -48,16 +51,26 @@ def _get(url: str) -> object:
         return json.loads(resp.read())
 
 
-def _generated(url: str) -> int:
+def _counter(url: str, name: str) -> int:
     info = _get(url + "/get_server_info")
     assert isinstance(info, dict)
-    return sum(s["num_generated_tokens"] for s in info["internal_states"])
+    return sum(s[name] for s in info["internal_states"])
+
+
+def _rank_loads(url: str) -> list[int]:
+    loads = _get(url + "/get_load")
+    assert isinstance(loads, list)
+    return [int(r["num_reqs"]) for r in sorted(loads, key=lambda r: r["dp_rank"])]
+
+
+def _healthy_workers(router_url: str) -> set[str]:
+    workers = _get(router_url + "/workers")
+    assert isinstance(workers, dict)
+    return {w["url"] for w in workers["workers"] if w["is_healthy"]}
 
 
 def _load(url: str) -> int:
-    loads = _get(url + "/get_load")
-    assert isinstance(loads, list)
-    return sum(int(r["num_reqs"]) for r in loads)
+    return sum(_rank_loads(url))
 
 
 async def _until(check: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
@@ -65,6 +78,11 @@ async def _until(check: Callable[[], bool], what: str, timeout_s: float = 120.0)
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.1)
+
+
+async def _until_held(urls: list[str], n: int) -> None:
+    """Wait until the engines at ``urls`` hold ``n`` requests in all."""
+    await _until(lambda: sum(_load(u) for u in urls) == n, f"{n} requests held")
 
 
 def _params(n: int = 4, seed: int = 0) -> SamplingParams:
@@ -87,7 +105,8 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     cfg = FleetConfig(
         model_path=str(model_dir),
         engines=2,
-        engine_args={"num_threads": 1},  # two engines on two cores
+        dp_size=2,
+        engine_args={"num_threads": 1},  # each rank one thread
         log_dir=str(tmp_path_factory.mktemp("fleet-logs")),
         startup_timeout_s=300,
     )
@@ -97,67 +116,73 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     assert wait_gone(f.pids, 30) == [], "close() left processes running"
 
 
-def test_sessions_stick_to_one_engine_under_load(fleet: Fleet) -> None:
+def test_sessions_stick_to_one_engine_and_rank_under_load(fleet: Fleet) -> None:
     """8 concurrent sessions x 4 turns of growing prompts, each session its own routing key."""
     urls = {f"e{e.index}": e.url for e in fleet.engines}
-    before = {tag: _generated(url) for tag, url in urls.items()}
+    counters = ("num_generated_tokens", "num_cached_prompt_tokens")
+    before = {(t, n): _counter(u, n) for t, u in urls.items() for n in counters}
 
-    async def session(s: int, client: SGLangClient) -> list[GenerateOutput]:
-        ids, outs = [10 + s, 40 + s, 70 + s, 11, 12, 13], []
+    async def session(s: int, client: SGLangClient) -> list[tuple[int, GenerateOutput]]:
+        ids, turns = [10 + s, 40 + s, 70 + s, 11, 12, 13], []
         for turn in range(4):
             out = await client.generate(
                 ids, _params(seed=10 * s + turn), rid=f"s{s}-t{turn}", routing_key=f"load-{s}"
             )
-            outs.append(out)
+            turns.append((len(ids), out))
             ids = ids + out.output_ids + [20 + turn, 21 + turn]  # a tool result, then the next turn
-        return outs
+        return turns
 
-    async def main() -> list[list[GenerateOutput]]:
+    async def main() -> list[list[tuple[int, GenerateOutput]]]:
         async with SGLangClient(fleet.url, timeout=120) as c:
             return list(await asyncio.gather(*(session(s, c) for s in range(8))))
 
     sessions = asyncio.run(main())
-    served: Counter[str] = Counter()
-    for s, outs in enumerate(sessions):
-        tags = {o.weight_version for o in outs}
-        assert len(tags) == 1, f"session {s} moved between engines: {tags}"
+    served: Counter[tuple[str, str]] = Counter()
+    for s, turns in enumerate(sessions):
+        outs = [o for _, o in turns]
+        assert len({o.weight_version for o in outs}) == 1, f"session {s} changed engines"
         assert [o.rid for o in outs] == [f"s{s}-t{t}" for t in range(4)]
+        # The rank's own prefix cache held the whole previous prompt: the same DP rank.
+        for (prev_len, _), (_, out) in itertools.pairwise(turns):
+            assert out.cached_tokens >= prev_len, f"session {s} changed DP ranks"
         for o in outs:
-            served[o.weight_version] += o.completion_tokens
+            served[(o.weight_version, "num_generated_tokens")] += o.completion_tokens
+            served[(o.weight_version, "num_cached_prompt_tokens")] += o.cached_tokens
     # The engines' own counters agree with what their responses say they served.
-    assert {tag: _generated(url) - before[tag] for tag, url in urls.items()} == {
-        tag: served[tag] for tag in urls
-    }
-    assert sum(served.values()) == 8 * 4 * 4
+    grew = {(t, n): _counter(urls[t], n) - v for (t, n), v in before.items()}
+    assert grew == {key: served[key] for key in before}
+    assert sum(served[(t, "num_generated_tokens")] for t in urls) == 8 * 4 * 4
 
 
-def test_new_session_goes_to_the_least_loaded_engine(fleet: Fleet) -> None:
-    """An engine holding a request in flight gets no new session while another is idle."""
-    by_tag = {f"e{e.index}": e for e in fleet.engines}
+def test_each_new_session_goes_to_an_idle_rank(fleet: Fleet) -> None:
+    """With both engines paused, four new sessions in a row: each goes to a (engine, rank) with
+    nothing in flight (manual / min_load), so every one of the 4 workers holds exactly one."""
+    engines = list(fleet.engines)
+
+    def loads() -> list[int]:
+        return [n for e in engines for n in _rank_loads(e.url)]
 
     async def main() -> None:
         async with SGLangClient(fleet.url, timeout=120) as c:
-            busy_tag = (await c.generate([5, 6, 7], _params(2), routing_key="busy")).weight_version
-            busy, other = by_tag[busy_tag], next(e for t, e in by_tag.items() if t != busy_tag)
-            before = {t: _generated(e.url) for t, e in by_tag.items()}
-            async with SGLangClient(busy.url) as direct:
-                await direct.pause_generation("in_place")
-                try:
-                    held = asyncio.create_task(
-                        c.generate([5, 6, 7], _params(3), routing_key="busy")
+            directs = [SGLangClient(e.url) for e in engines]
+            for d in directs:
+                await d.pause_generation("in_place")
+            held = []
+            try:
+                for i in range(4):
+                    held.append(
+                        asyncio.create_task(
+                            c.generate([8, 9, i], _params(2), routing_key=f"new-{i}")
+                        )
                     )
-                    await _until(lambda: _load(busy.url) >= 1, "the held request on its engine")
-                    fresh = [
-                        await c.generate([8, 9, i], _params(2), routing_key=f"fresh-{i}")
-                        for i in range(3)
-                    ]
-                finally:
-                    await direct.continue_generation()
-                out = await held
-            assert out.weight_version == busy_tag
-            assert [o.weight_version for o in fresh] == [f"e{other.index}"] * 3
-            assert _generated(other.url) - before[f"e{other.index}"] == 3 * 2
-            assert _generated(busy.url) - before[busy_tag] == 3
+                    await _until_held([e.url for e in engines], i + 1)
+                    assert sorted(loads(), reverse=True) == [1] * (i + 1) + [0] * (3 - i)
+            finally:
+                for d in directs:
+                    await d.continue_generation()
+                    await d.close()
+            outs = await asyncio.gather(*held)
+        assert Counter(o.weight_version for o in outs) == {"e0": 2, "e1": 2}
 
     asyncio.run(main())
 
@@ -235,22 +260,34 @@ def test_engine_death_moves_its_sessions_and_a_replacement_joins(fleet: Fleet) -
             assert m["fleet/engine_deaths"] == 1
             assert m["fleet/engines_alive"] == 1
 
-            # A replacement joins the router and takes new sessions while the survivor is busy.
+            # The router takes the dead engine's ranks out; a replacement joins and, with the
+            # live engines paused, four new sessions fill the four live (engine, rank) workers.
+            dead = {f"{victim.url}@{r}" for r in range(2)}
+            await _until(lambda: not dead & _healthy_workers(fleet.url), "dead ranks marked down")
             new = await asyncio.to_thread(fleet.add_engine)
             assert new.index == 2
+            assert {f"{new.url}@{r}" for r in range(2)} <= _healthy_workers(fleet.url)
             await _tag(fleet)
-            async with SGLangClient(survivor.url) as direct:
-                await direct.pause_generation("in_place")
-                try:
-                    held = asyncio.create_task(
-                        c.generate([30, 31, 6], _params(2), routing_key=keys[victim_tag][0])
+            live = [survivor, new]
+            directs = [SGLangClient(e.url) for e in live]
+            for d in directs:
+                await d.pause_generation("in_place")
+            held = []
+            try:
+                for i in range(4):
+                    held.append(
+                        asyncio.create_task(
+                            c.generate([30, 31, i], _params(2), routing_key=f"after-join-{i}")
+                        )
                     )
-                    await _until(lambda: _load(survivor.url) >= 1, "the held request")
-                    fresh = await c.generate([30, 31, 5], _params(2), routing_key="after-join")
-                finally:
-                    await direct.continue_generation()
-                await held
-            assert fresh.weight_version == "e2"
+                    await _until_held([e.url for e in live], i + 1)
+                assert _rank_loads(new.url) == [1, 1]
+            finally:
+                for d in directs:
+                    await d.continue_generation()
+                    await d.close()
+            outs = await asyncio.gather(*held)
+            assert Counter(o.weight_version for o in outs) == {f"e{survivor.index}": 2, "e2": 2}
             assert any(ev.kind == "engine_added" and ev.engine == 2 for ev in fleet.events)
 
     asyncio.run(main())
