@@ -229,6 +229,8 @@ def test_engine_death_moves_its_sessions_and_a_replacement_joins(fleet: Fleet) -
                 for k in keys[victim_tag][:2]
             ]
             await _until(lambda: _load(victim.url) >= len(in_flight), "turns in flight")
+            # The fleet's monitor has seen the victim's cache filled (it polls every 2 s).
+            await _until(lambda: victim.last_stats.get("prefix_cache_tokens", 0) > 0, "a poll")
             os.kill(victim.pid, signal.SIGKILL)
 
             # Nothing hangs: each in-flight turn ends, re-run elsewhere or as a retriable error.
@@ -255,10 +257,14 @@ def test_engine_death_moves_its_sessions_and_a_replacement_joins(fleet: Fleet) -
             died = next(ev for ev in fleet.events if ev.kind == "engine_died")
             assert died.engine == victim.index
             assert died.detail["status"] == -signal.SIGKILL
+            lost = victim.last_stats["prefix_cache_tokens"]
+            assert died.detail["cache_tokens_lost"] == lost > 0
+            assert f"the {lost:g} tokens its prefix cache held" in died.message
             await _until(lambda: fleet.metrics()["fleet/sessions_moved"] >= 1, "sessions_moved")
             m = fleet.metrics()
             assert m["fleet/engine_deaths"] == 1
             assert m["fleet/engines_alive"] == 1
+            assert m["fleet/cache_tokens_lost"] == lost
 
             # The router takes the dead engine's ranks out; a replacement joins and, with the
             # live engines paused, four new sessions fill the four live (engine, rank) workers.

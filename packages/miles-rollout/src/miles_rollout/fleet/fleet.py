@@ -43,6 +43,7 @@ __all__ = ["EngineHandle", "Fleet", "FleetEvent"]
 logger = logging.getLogger(__name__)
 
 _STATS_INTERVAL_S = 2.0  # engines' /get_server_info and the router's counters
+_CACHE_TOKENS = "prefix_cache_tokens"  # the embedded engine's counter (summed over DP ranks)
 
 
 @dataclass(slots=True)
@@ -306,14 +307,21 @@ class Fleet:
             if status is None:
                 continue
             engine.alive, engine.exit_status = False, status
+            lost = engine.last_stats.get(_CACHE_TOKENS)
+            cache = (
+                f"the {lost:g} tokens its prefix cache held at the last poll are lost"
+                if lost is not None
+                else "its prefix cache is lost"
+            )
             self._event(
                 "engine_died",
                 f"engine {engine.index} (pid {engine.pid}, {engine.url}) exited with status "
-                f"{status}. Its sessions move to other engines at their next turn (the router "
-                "retries, then its circuit breaker and health check take the engine out) and "
-                f"lose their prefix cache; last counters seen: {engine.last_stats or 'none'}",
+                f"{status}; {cache}. Its sessions move to other engines at their next turn "
+                "(the router retries, then its circuit breaker and health check take the "
+                "engine out) and re-prefill there",
                 engine.index,
                 status=status,
+                cache_tokens_lost=lost,
                 last_stats=dict(engine.last_stats),
             )
             if self.config.replace_dead_engines and not self._stop.is_set():
@@ -349,8 +357,9 @@ class Fleet:
             )
 
     def metrics(self) -> dict[str, float]:
-        """Namespaced numbers: engine counts, deaths, sessions moved, the router's routing
-        decisions and each live engine's last counters (``fleet/engine<i>/<name>``)."""
+        """Namespaced numbers: engine counts, deaths, sessions moved, prefix-cache tokens lost
+        with dead engines, the router's routing decisions (``fleet/router/<branch>``) and each
+        engine's last polled counters (``fleet/engine<i>/<name>``, summed over DP ranks)."""
         with self._lock:
             engines = list(self.engines)
             out: dict[str, float] = {
@@ -358,6 +367,11 @@ class Fleet:
                 "fleet/engines_started": len(engines),
                 "fleet/engine_deaths": sum(e.exit_status is not None for e in engines),
                 "fleet/sessions_moved": self._sessions_moved,
+                "fleet/cache_tokens_lost": sum(
+                    e.last_stats.get(_CACHE_TOKENS, 0.0)
+                    for e in engines
+                    if e.exit_status is not None
+                ),
             }
         for branch, value in self._branches_seen.items():
             out[f"fleet/router/{branch}"] = value
