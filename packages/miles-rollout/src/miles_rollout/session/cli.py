@@ -33,6 +33,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--context-length", type=int, default=None, help="default: ask the engine at first use"
     )
+    p.add_argument(
+        "--return-routed-experts",
+        action="store_true",
+        help="MoE engines (R3): export each sample's routed experts",
+    )
 
 
 def run(args: argparse.Namespace, *, stop: threading.Event | None = None) -> int:
@@ -48,6 +53,7 @@ def run(args: argparse.Namespace, *, stop: threading.Event | None = None) -> int
             template_family=args.template_family,
             engine_timeout_s=args.engine_timeout,
             context_length=args.context_length,
+            return_routed_experts=args.return_routed_experts,
         )
     except (ValueError, OSError) as exc:
         print(f"miles-rollout: error: {exc}", file=sys.stderr)

@@ -113,12 +113,16 @@ class _Routes:
         *,
         model_name: str,
         context_length: int | None,
+        return_routed_experts: bool = False,
     ) -> None:
         self.client = client
         self.renderer = renderer
         self.model_name = model_name
         self._context_length = context_length
         self._context_known = context_length is not None
+        self._extra: dict[str, Any] = (
+            {"return_routed_experts": True} if return_routed_experts else {}
+        )
         self.sessions: dict[str, _Session] = {}
 
     def _session(self, request: web.Request) -> _Session:
@@ -217,7 +221,7 @@ class _Routes:
         )
         try:
             out = await self.client.generate(
-                input_ids, params, return_logprob=True, routing_key=s.id
+                input_ids, params, return_logprob=True, routing_key=s.id, **self._extra
             )
         except ValueError as exc:  # the engine's 400: nothing was generated
             raise ValueError(f"the engine rejected the turn: {exc}") from exc
@@ -296,9 +300,16 @@ def build_session_app(
     *,
     model_name: str = "miles",
     context_length: int | None = None,
+    return_routed_experts: bool = False,
 ) -> web.Application:
     """The aiohttp application (for embedding in another aiohttp server)."""
-    r = _Routes(client, renderer, model_name=model_name, context_length=context_length)
+    r = _Routes(
+        client,
+        renderer,
+        model_name=model_name,
+        context_length=context_length,
+        return_routed_experts=return_routed_experts,
+    )
     app = web.Application(middlewares=[_errors], client_max_size=1 << 28)
     app.add_routes(
         [
@@ -365,6 +376,7 @@ async def start_sessions(
     engine_timeout_s: float = 600.0,
     context_length: int | None = None,
     model_name: str | None = None,
+    return_routed_experts: bool = False,
 ) -> SessionServer:
     """Start a session server in the running event loop; ``await server.close()`` to stop.
 
@@ -374,7 +386,13 @@ async def start_sessions(
     renderer = _renderer(tokenizer, model_path, template_family, template_kwargs)
     name = model_name or (Path(model_path).name if model_path is not None else "miles")
     client = SGLangClient(engine, timeout=engine_timeout_s) if isinstance(engine, str) else engine
-    app = build_session_app(client, renderer, model_name=name, context_length=context_length)
+    app = build_session_app(
+        client,
+        renderer,
+        model_name=name,
+        context_length=context_length,
+        return_routed_experts=return_routed_experts,
+    )
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
     sock = socket.create_server((host, port))
@@ -428,6 +446,7 @@ def serve_sessions(
     engine_timeout_s: float = 600.0,
     context_length: int | None = None,
     model_name: str | None = None,
+    return_routed_experts: bool = False,
 ) -> SessionServerHandle:
     """Serve TITO sessions from a background thread; return once it accepts requests.
 
@@ -444,6 +463,9 @@ def serve_sessions(
         engine_timeout_s: the most seconds one engine call may take (then 502).
         context_length: the engine's context length; ``None`` asks the engine.
         model_name: the name in ``/v1/models`` and completions (default: the directory name).
+        return_routed_experts: MoE engines (R3): ask each turn for the routed experts and
+            export them with the sample (needs an engine client whose ``generate`` takes
+            ``return_routed_experts``).
 
     Raises:
         ValueError: no tokenizer, no chat template, or a family that does not fit it.
@@ -469,6 +491,7 @@ def serve_sessions(
                     engine_timeout_s=engine_timeout_s,
                     context_length=context_length,
                     model_name=model_name,
+                    return_routed_experts=return_routed_experts,
                 )
             )
         except BaseException as exc:
