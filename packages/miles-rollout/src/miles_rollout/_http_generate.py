@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import base64
+import sys
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from miles_rollout.outputs import GenerateOutput
 from miles_rollout.sampling_params import SamplingParams
 
-__all__ = ["GenerateItem", "ParsedGenerate", "parse_generate", "response_dict"]
+__all__ = [
+    "GenerateItem",
+    "ParsedGenerate",
+    "decode_routed_experts",
+    "encode_routed_experts",
+    "parse_generate",
+    "response_dict",
+]
 
 # GenerateReqInput fields this server implements.
 _SUPPORTED = {
@@ -24,6 +35,7 @@ _SUPPORTED = {
     "data_parallel_rank",
     "routed_dp_rank",
     "routing_key",
+    "return_routed_experts",
 }
 # Bookkeeping fields that do not change the result: accepted with any value and ignored
 # (sglang-router 0.3.2 sends ``log_metrics: true`` on every request).
@@ -55,6 +67,7 @@ class GenerateItem:
     text_in_logprobs: bool
     data_parallel_rank: int | None = None
     routing_key: str | None = None
+    return_routed_experts: bool = False
 
 
 @dataclass(slots=True)
@@ -91,6 +104,7 @@ def parse_generate(body: dict[str, Any], tokenizer: Any) -> ParsedGenerate:
     params = _per_item(body.get("sampling_params"), n, "sampling_params")
     logprob = _per_item(body.get("return_logprob"), n, "return_logprob")
     rids = _per_item(body.get("rid"), n, "rid")
+    routed = _per_item(body.get("return_routed_experts"), n, "return_routed_experts")
     if is_batch and isinstance(body.get("rid"), str):
         rids = [f"{body['rid']}_{i}" for i in range(n)]
     text_lp = bool(body.get("return_text_in_logprobs", False))
@@ -108,6 +122,7 @@ def parse_generate(body: dict[str, Any], tokenizer: Any) -> ParsedGenerate:
                 text_in_logprobs=text_lp,
                 data_parallel_rank=dp_rank,
                 routing_key=routing_key,
+                return_routed_experts=bool(routed[i]),
             )
         )
     return ParsedGenerate(items=items, is_batch=is_batch)
@@ -153,10 +168,36 @@ def response_dict(
         meta["output_token_logprobs"] = [
             [lp, tok, txt] for lp, tok, txt in zip(out.output_logprobs, out.output_ids, texts)
         ]
+    if item.return_routed_experts and out.routed_experts is not None:
+        meta["routed_experts"] = encode_routed_experts(out.routed_experts)
+        # A Miles extension: SGLang's payload is flat; readers need the model's layers and
+        # top-k to reshape it.
+        meta["routed_experts_shape"] = list(out.routed_experts.shape)
     resp: dict[str, Any] = {"output_ids": out.output_ids, "meta_info": meta}
     if out.text is not None:
         resp["text"] = out.text
     return resp
+
+
+def encode_routed_experts(experts: torch.Tensor) -> str:
+    """SGLang's ``meta_info["routed_experts"]``: base64 of the int32 array's little-endian,
+    C-order bytes (``[tokens, layers, top_k]`` flattened)."""
+    raw = _little_endian(experts.to(torch.int32).contiguous())
+    return base64.b64encode(raw.numpy().tobytes()).decode("ascii")
+
+
+def decode_routed_experts(payload: str, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """Inverse of :func:`encode_routed_experts` (``shape`` may hold one ``-1``)."""
+    raw = bytearray(base64.b64decode(payload))
+    flat = torch.frombuffer(raw, dtype=torch.int32) if raw else torch.empty(0, dtype=torch.int32)
+    return _little_endian(flat).reshape(*shape)
+
+
+def _little_endian(t: torch.Tensor) -> torch.Tensor:
+    """Swap int32 bytes on a big-endian host (SGLang's payload is little-endian)."""
+    if sys.byteorder == "little":
+        return t
+    return t.contiguous().view(torch.uint8).view(-1, 4).flip(1).contiguous().view(torch.int32)
 
 
 def _same(value: Any, neutral: Any) -> bool:

@@ -31,6 +31,7 @@ from miles_rollout._decode_attention import BACKENDS as _ATTENTION_BACKENDS
 from miles_rollout._decode_attention import eager_attention as _eager_attention
 from miles_rollout._decode_attention import native_decode_attention as _native_attention
 from miles_rollout._decode_attention import native_error, native_supported
+from miles_rollout._moe import MoeWeights, is_moe_layer, moe_forward
 from miles_rollout._rms_norm import native_rms_norm, native_rms_norm_is_exact
 from miles_rollout._rms_norm import torch_rms_norm as _rms
 
@@ -38,7 +39,7 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMRunner"]
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe")
 # Rope types whose tables do not change with the sequence length at run time.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # The KV cache grows in steps of this many positions (and doubles past it).
@@ -88,6 +89,7 @@ class _Layer:
         "in_eps",
         "in_w",
         "k_norm",
+        "moe",
         "o",
         "o_p",
         "post_eps",
@@ -129,17 +131,22 @@ class _Layer:
             if q_norm is not None and k_norm is not None
             else None
         )
+        # Pre-packed copies for decode (None: use the plain weight).
+        self.wqkv_p = pack(self.wqkv)
+        self.o_p = pack(self.o)
+        self.moe: MoeWeights | None = MoeWeights(mlp) if is_moe_layer(mlp) else None
+        if self.moe is not None:
+            self.gate_up = self.down = torch.empty(0)
+            self.gate_up_b = self.down_b = self.gate_up_p = self.down_p = None
+            return
         self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
         self.gate_up_b = (
             torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
             if mlp.gate_proj.bias is not None
             else None
         )
-        self.down: torch.Tensor = mlp.down_proj.weight
-        self.down_b: torch.Tensor | None = mlp.down_proj.bias
-        # Pre-packed copies for decode (None: use the plain weight).
-        self.wqkv_p = pack(self.wqkv)
-        self.o_p = pack(self.o)
+        self.down = mlp.down_proj.weight
+        self.down_b = mlp.down_proj.bias
         self.gate_up_p = pack(self.gate_up)
         self.down_p = pack(self.down)
 
@@ -318,6 +325,15 @@ class CausalLMRunner:
         self._pool_v: list[torch.Tensor] = []
         self._checked_shapes: set[tuple[int, int]] = set()
         self.refresh_weights()
+        # MoE: each position's top-k expert ids per layer (-1 for dense layers), kept beside
+        # the KV (rows, pool) so that a request's routing survives compaction and cache hits.
+        moe = [layer.moe for layer in self._layers if layer.moe is not None]
+        self.is_moe = bool(moe)
+        self.top_k = moe[0].top_k if moe else 0
+        self.num_layers = len(self._layers)
+        self._routes: torch.Tensor | None = None  # [B, T, layers, top_k] int32
+        self._pool_routes: torch.Tensor | None = None  # [slots, layers, top_k] int32
+        self._capture: torch.Tensor | None = None  # the current forward's [N, layers, top_k]
 
     @staticmethod
     def _norm_shapes(model: Any) -> list[tuple[int, float]]:
@@ -369,7 +385,11 @@ class CausalLMRunner:
         weights: list[tuple[torch.Tensor, torch.Tensor | None]] = [(self._lm_head, None)]
         for layer in self._layers:
             weights += [(layer.wqkv, layer.bqkv), (layer.o, layer.bo)]
-            weights += [(layer.gate_up, layer.gate_up_b), (layer.down, layer.down_b)]
+            if layer.moe is not None:
+                moe = layer.moe
+                weights += [(moe.router, None), (moe.gate_up[0], None), (moe.down[0], None)]
+            else:
+                weights += [(layer.gate_up, layer.gate_up_b), (layer.down, layer.down_b)]
         for w, b in weights:
             shape = (int(w.shape[0]), int(w.shape[1]))
             if shape in self._checked_shapes:
@@ -410,11 +430,17 @@ class CausalLMRunner:
                     cache[i] = fresh
                 else:
                     cache.append(fresh)
+        if self.is_moe:
+            routes = torch.full((new_b, new_t, self.num_layers, self.top_k), -1, dtype=torch.int32)
+            if self._routes is not None:
+                routes[:old_b, :old_t] = self._routes
+            self._routes = routes
         self._batch_cap, self._token_cap = new_b, new_t
 
     def release(self) -> None:
         """Free the KV cache memory (only when no request is running)."""
         self._k, self._v = [], []
+        self._routes = None
         self._batch_cap = self._token_cap = 0
 
     def copy_rows(self, dst: list[int], src: list[int], length: int) -> None:
@@ -425,6 +451,14 @@ class CausalLMRunner:
         for cache in (self._k, self._v):
             for t in cache:
                 t[d, :, :length] = t[s, :, :length]
+        if self._routes is not None:
+            self._routes[d, :length] = self._routes[s, :length]
+
+    def routes(self, row: int, length: int) -> torch.Tensor:
+        """The expert ids of positions ``0 .. length-1`` of ``row``: int32 ``[length, layers,
+        top_k]`` (a copy)."""
+        assert self._routes is not None
+        return self._routes[row, :length].clone()
 
     # ---- prefix-cache pool -----------------------------------------------------------------
 
@@ -443,6 +477,11 @@ class CausalLMRunner:
                     pool[i] = fresh
                 else:
                     pool.append(fresh)
+        if self.is_moe:
+            routes = torch.full((new, self.num_layers, self.top_k), -1, dtype=torch.int32)
+            if self._pool_routes is not None:
+                routes[:have] = self._pool_routes
+            self._pool_routes = routes
 
     def pool_bytes(self, slots: int) -> int:
         """Memory of ``slots`` pool tokens (keys and values of every layer)."""
@@ -452,6 +491,7 @@ class CausalLMRunner:
     def release_pool(self) -> None:
         """Free the prefix cache's pool memory."""
         self._pool_k, self._pool_v = [], []
+        self._pool_routes = None
 
     def save_to_pool(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Copy KV positions ``start .. start + len(slots) - 1`` of ``row`` into pool slots."""
@@ -460,6 +500,8 @@ class CausalLMRunner:
         for cache, pool in ((self._k, self._pool_k), (self._v, self._pool_v)):
             for c, p in zip(cache, pool):
                 p[slots] = c[row, :, start:end].transpose(0, 1)
+        if self._routes is not None and self._pool_routes is not None:
+            self._pool_routes[slots] = self._routes[row, start:end]
 
     def load_from_pool(self, row: int, slots: torch.Tensor) -> None:
         """Copy pool slots into KV positions ``0 .. len(slots) - 1`` of ``row``."""
@@ -468,6 +510,8 @@ class CausalLMRunner:
         for cache, pool in ((self._k, self._pool_k), (self._v, self._pool_v)):
             for c, p in zip(cache, pool):
                 c[row, :, :n] = p[slots].transpose(0, 1)
+        if self._routes is not None and self._pool_routes is not None:
+            self._routes[row, :n] = self._pool_routes[slots]
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -512,6 +556,7 @@ class CausalLMRunner:
         sin = self._sin[pos][:, :, None, :]
         x = F.embedding(ids, self._embed)  # [m, W, hidden]
         qk_size = self._q_size + self._kv_size
+        self._capture = self._new_capture(m * width)
         for li, layer in enumerate(self._layers):
             h = self._norm(x, layer.in_w, layer.in_eps)
             qkv = self._linear(h, layer.wqkv, layer.bqkv)
@@ -530,7 +575,12 @@ class CausalLMRunner:
             else:
                 o = self._masked_prefill_attention(q, li, first_row, m, width, pos)
             x = x + self._linear(o.reshape(m, width, self._q_size), layer.o, layer.bo)
-            x = x + self._mlp(x, layer)
+            x = x + self._mlp(x, layer, li=li)
+        if self._routes is not None and self._capture is not None:
+            where = rows[real] * self._token_cap + pos.reshape(-1)[real]
+            self._routes.view(-1, self.num_layers * self.top_k).index_copy_(
+                0, where, self._capture[real].reshape(-1, self.num_layers * self.top_k)
+            )
         last = x[torch.arange(m), torch.tensor(news) - 1]  # [m, hidden]
         return self._logits(last)
 
@@ -568,6 +618,7 @@ class CausalLMRunner:
         sin = self._sin[:width]
         rows = slice(first_row, first_row + m)
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        self._capture = self._new_capture(m * width)
         for li, layer in enumerate(self._layers):
             h = self._norm(x, layer.in_w, layer.in_eps)
             qkv = F.linear(h, layer.wqkv, layer.bqkv)
@@ -590,7 +641,9 @@ class CausalLMRunner:
                 )
             o = o.transpose(1, 2).reshape(m, width, self._q_size)
             x = x + F.linear(o, layer.o, layer.bo)
-            x = x + self._mlp(x, layer)
+            x = x + self._mlp(x, layer, li=li)
+        if self._routes is not None and self._capture is not None:
+            self._routes[rows, :width] = self._capture.view(m, width, -1, self.top_k)
         last = x[torch.arange(m), torch.tensor(lens) - 1]  # [m, hidden]
         return self._logits(last)
 
@@ -636,6 +689,7 @@ class CausalLMRunner:
         # one index_copy_ per layer writes the new keys (and values) of every request.
         slot = torch.arange(n)[:, None] * nkv + torch.arange(nkv)[None, :]
         flat = (slot * self._token_cap + positions[:, None]).reshape(-1)
+        self._capture = self._new_capture(n)
         for li, layer in enumerate(self._layers):
             h = self._norm(x, layer.in_w, layer.in_eps)
             qkv = self._linear(h, layer.wqkv, layer.bqkv, layer.wqkv_p)
@@ -659,11 +713,26 @@ class CausalLMRunner:
                 else:
                     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             x = x + self._linear(o.reshape(n, self._q_size), layer.o, layer.bo, layer.o_p)
-            x = x + self._mlp(x, layer, packed=True)
+            x = x + self._mlp(x, layer, packed=True, li=li)
+        if self._routes is not None and self._capture is not None:
+            self._routes[torch.arange(n), positions] = self._capture
         return self._logits(x, packed=True)
 
-    def _mlp(self, x: torch.Tensor, layer: _Layer, *, packed: bool = False) -> torch.Tensor:
+    def _new_capture(self, n: int) -> torch.Tensor | None:
+        if not self.is_moe:
+            return None
+        return torch.full((n, self.num_layers, self.top_k), -1, dtype=torch.int32)
+
+    def _mlp(
+        self, x: torch.Tensor, layer: _Layer, *, packed: bool = False, li: int = 0
+    ) -> torch.Tensor:
         h = self._norm(x, layer.post_w, layer.post_eps)
+        if layer.moe is not None:
+            flat = h.reshape(-1, h.shape[-1])
+            out, experts = moe_forward(flat, layer.moe, self._linear)
+            if self._capture is not None:
+                self._capture[:, li] = experts
+            return out.reshape(h.shape)
         gate_up_p, down_p = (layer.gate_up_p, layer.down_p) if packed else (None, None)
         gate, up = self._linear(h, layer.gate_up, layer.gate_up_b, gate_up_p).chunk(2, dim=-1)
         return self._linear(F.silu(gate) * up, layer.down, layer.down_b, down_p)

@@ -63,6 +63,8 @@ class Request:
     output_weight_versions: list[str] = field(default_factory=list)
     cached_tokens: int = 0
     session: str | None = None  # the routing key (X-SMG-Routing-Key) of its session
+    return_routed_experts: bool = False
+    routed: torch.Tensor | None = None  # its rows' expert ids when it last left the batch
     admitted: bool = False  # prefilled at least once (cached_tokens is counted then)
     prefix_hit: int = 0  # tokens copied from the prefix cache at its latest admission
     cache_epoch: int = -1  # the prefix cache's epoch when its KV was (re)computed
@@ -174,7 +176,7 @@ class Scheduler:
             # continue; they go back to the front of the queue in their current order. Their
             # KV goes to the prefix cache, so the re-prefill is mostly a copy.
             for row, req in enumerate(self.running):
-                self._cache_store(req, row)
+                self._leaving(req, row)
             self.waiting.extendleft(reversed(self.running))
             self.running = []
             self._sampler = None
@@ -183,7 +185,7 @@ class Scheduler:
         """Finish every running and waiting request with finish reason ``abort``."""
         if cache:
             for row, req in enumerate(self.running):
-                self._cache_store(req, row)
+                self._leaving(req, row)
         reqs = [*self.running, *self.waiting]
         self.running, self._sampler = [], None
         self.waiting.clear()
@@ -195,7 +197,7 @@ class Scheduler:
         """Abort one request by id; return whether it was found."""
         for i, req in enumerate(self.running):
             if req.rid == rid:
-                self._cache_store(req, i)
+                self._leaving(req, i)
                 self._remove_rows([i])
                 self._finish(req, FinishReason(type="abort", message="aborted by request"))
                 return True
@@ -222,6 +224,13 @@ class Scheduler:
         if self.cache is not None:
             self.cache.flush()
         self.runner.release_pool()
+
+    def _leaving(self, req: Request, row: int) -> None:
+        """``req`` leaves cache row ``row`` (finished, aborted or retracted): keep its routed
+        experts if asked for, and put its KV into the prefix cache."""
+        if req.return_routed_experts and req.output_ids:
+            req.routed = self.runner.routes(row, len(req.prompt) + len(req.output_ids) - 1)
+        self._cache_store(req, row)
 
     def _cache_store(self, req: Request, row: int) -> None:
         """Put the KV of ``req`` (in cache row ``row``) into the prefix cache."""
@@ -425,7 +434,7 @@ class Scheduler:
                 finished.append((i, reason))
         if finished:
             for i, _ in finished:
-                self._cache_store(reqs[i - rows.start], i)
+                self._leaving(reqs[i - rows.start], i)
             self._remove_rows([i for i, _ in finished])
             for i, reason in finished:
                 # _remove_rows reorders self.running, so look requests up before it: they are
@@ -483,6 +492,7 @@ class Scheduler:
             text=text,
             output_weight_versions=list(req.output_weight_versions),
             cached_tokens=req.cached_tokens,
+            routed_experts=req.routed,
         )
         with contextlib.suppress(InvalidStateError):  # cancelled since the check above
             req.future.set_result(out)

@@ -49,8 +49,11 @@ def load_safetensors_dir(path: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def param_table(model: Any) -> dict[str, torch.Tensor]:
-    """HF name -> parameter, tied names included (``lm_head.weight`` and the embedding)."""
-    return dict(model.named_parameters(remove_duplicate=False))
+    """HF name -> parameter, tied names included (``lm_head.weight`` and the embedding), plus
+    the checkpoint's per-expert names of fused MoE experts (views; see ``_moe.py``)."""
+    from miles_rollout._moe import expert_aliases
+
+    return {**dict(model.named_parameters(remove_duplicate=False)), **expert_aliases(model)}
 
 
 def prepare_update(

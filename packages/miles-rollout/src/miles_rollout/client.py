@@ -23,7 +23,7 @@ import aiohttp
 from miles_rollout.engine import Engine
 from miles_rollout.outputs import FinishReason, GenerateOutput
 from miles_rollout.sampling_params import SamplingParams
-from miles_transfer import deserialize_named_tensors
+from miles_transfer.push import deserialize_named_tensors
 
 __all__ = ["EngineClient", "LocalEngineClient", "SGLangClient", "SGLangHTTPError"]
 
@@ -188,6 +188,7 @@ class SGLangClient:
         rid: str | None = None,
         routing_key: str | None = None,
         data_parallel_rank: int | None = None,
+        return_routed_experts: bool = False,
     ) -> GenerateOutput:
         """``POST /generate`` for one prompt.
 
@@ -199,6 +200,8 @@ class SGLangClient:
             routing_key: sent as ``X-SMG-Routing-Key`` (sglang-router session affinity; the
                 miles-rollout server also keeps a session on one DP rank with it).
             data_parallel_rank: the DP rank to run on (SGLang's body field).
+            return_routed_experts: MoE models: each token's expert ids (R3), decoded into
+                ``GenerateOutput.routed_experts``.
         """
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
@@ -209,6 +212,8 @@ class SGLangClient:
             body["rid"] = rid
         if data_parallel_rank is not None:
             body["data_parallel_rank"] = data_parallel_rank
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
         resp = await self._request("POST", "/generate", body, idempotent=False, headers=headers)
         return parse_generate_response(resp, prompt_tokens=len(body["input_ids"]))
@@ -372,7 +377,23 @@ def parse_generate_response(resp: Mapping[str, Any], *, prompt_tokens: int) -> G
         text=resp.get("text"),
         output_weight_versions=versions,
         cached_tokens=int(meta.get("cached_tokens") or 0),
+        routed_experts=_routed_experts(meta, len(output_ids)),
     )
+
+
+def _routed_experts(meta: Mapping[str, Any], n_out: int) -> Any:
+    """SGLang's base64 ``routed_experts`` as an int32 tensor: ``[tokens, layers, top_k]``
+    when the server says the shape (ours does), else ``[tokens, layers * top_k]``."""
+    payload = meta.get("routed_experts")
+    if payload is None:
+        return None
+    from miles_rollout._http_generate import decode_routed_experts
+
+    shape = meta.get("routed_experts_shape")
+    if shape is None:
+        tokens = int(meta.get("prompt_tokens", 0)) + n_out - 1
+        shape = [tokens, -1]
+    return decode_routed_experts(payload, shape)
 
 
 class LocalEngineClient:
@@ -407,6 +428,7 @@ class LocalEngineClient:
         rid: str | None = None,
         routing_key: str | None = None,
         data_parallel_rank: int | None = None,
+        return_routed_experts: bool = False,
     ) -> GenerateOutput:
         """Generate on the engine (see :meth:`SGLangClient.generate`)."""
         return await self.engine.async_generate(
@@ -416,6 +438,7 @@ class LocalEngineClient:
             rid=rid,
             data_parallel_rank=data_parallel_rank,
             routing_key=routing_key,
+            return_routed_experts=return_routed_experts,
         )
 
     async def health(self) -> bool:

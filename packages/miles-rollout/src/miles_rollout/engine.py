@@ -111,6 +111,8 @@ class Engine:
             self.tokenizer_path = self.model_path
         self.eos_token_ids = _eos_ids(model, self.tokenizer)
         self._params = param_table(model)
+        # The names a full checksum reports: the module's own (fused experts stay fused).
+        self._param_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         self._weight_version = config.weight_version
         self._rng = random.Random(config.seed)
         threads = config.num_threads
@@ -157,6 +159,11 @@ class Engine:
         """The number of data-parallel ranks."""
         return len(self._ranks)
 
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has mixture-of-experts layers (R3 capture available)."""
+        return self._ranks[0].runner.is_moe
+
     # ---- generation --------------------------------------------------------------------------
 
     def submit(
@@ -168,6 +175,7 @@ class Engine:
         rid: str | None = None,
         data_parallel_rank: int | None = None,
         routing_key: str | None = None,
+        return_routed_experts: bool = False,
     ) -> Future[GenerateOutput]:
         """Queue one request; return a future for its output. Thread-safe.
 
@@ -183,11 +191,14 @@ class Engine:
                 least loaded one.
             routing_key: the session key (``X-SMG-Routing-Key``): keeps a session's turns
                 on one rank, where its prefix is cached.
+            return_routed_experts: MoE models: report each token's top-k expert ids per
+                layer (``GenerateOutput.routed_experts``, R3).
 
         Raises:
             ValueError: an empty prompt, token ids outside the vocabulary, a prompt that does
-                not fit the context length, stop strings without a tokenizer, or a
-                ``data_parallel_rank`` that does not exist.
+                not fit the context length, stop strings without a tokenizer, a
+                ``data_parallel_rank`` that does not exist, or ``return_routed_experts`` on a
+                dense model.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -208,6 +219,12 @@ class Engine:
             stop_ids.update(self.eos_token_ids)
         if routing_key is not None and not isinstance(routing_key, str):
             raise ValueError(f"routing_key must be a string, got {routing_key!r}")
+        if return_routed_experts and not self.is_moe:
+            raise ValueError(
+                "return_routed_experts needs a mixture-of-experts model, and "
+                f"{self.model_path} is a dense {self.model.config.model_type} model (no "
+                "experts to report); drop return_routed_experts"
+            )
         rank = self._pick_rank(data_parallel_rank, routing_key)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
         fut: Future[GenerateOutput] = Future()
@@ -221,6 +238,7 @@ class Engine:
             seed=seed,
             future=fut,
             session=routing_key,
+            return_routed_experts=return_routed_experts,
         )
         with self._load_lock:
             rank.in_flight += 1
@@ -267,6 +285,7 @@ class Engine:
         rid: str | None = None,
         data_parallel_rank: int | None = None,
         routing_key: str | None = None,
+        return_routed_experts: bool = False,
     ) -> GenerateOutput:
         """Generate and wait (blocking); see :meth:`submit`."""
         return self.submit(
@@ -276,6 +295,7 @@ class Engine:
             rid=rid,
             data_parallel_rank=data_parallel_rank,
             routing_key=routing_key,
+            return_routed_experts=return_routed_experts,
         ).result()
 
     async def async_generate(
@@ -287,6 +307,7 @@ class Engine:
         rid: str | None = None,
         data_parallel_rank: int | None = None,
         routing_key: str | None = None,
+        return_routed_experts: bool = False,
     ) -> GenerateOutput:
         """Generate without blocking the event loop; see :meth:`submit`."""
         fut = self.submit(
@@ -296,6 +317,7 @@ class Engine:
             rid=rid,
             data_parallel_rank=data_parallel_rank,
             routing_key=routing_key,
+            return_routed_experts=return_routed_experts,
         )
         return await asyncio.wrap_future(fut)
 
@@ -499,7 +521,7 @@ class Engine:
         Raises:
             ValueError: unknown names.
         """
-        wanted = list(self._params) if names is None else list(names)
+        wanted = list(self._param_names) if names is None else list(names)
         unknown = [n for n in wanted if n not in self._params]
         if unknown:
             raise ValueError(f"unknown parameter names: {unknown[:8]}")
@@ -517,6 +539,9 @@ class Engine:
             "preferred_sampling_params": None,
             "weight_version": self._weight_version,
             "model_type": cfg.model_type,
+            "is_moe": self.is_moe,
+            "num_experts_per_tok": self._runner.top_k if self.is_moe else None,
+            "num_hidden_layers": self._runner.num_layers,
             "architectures": list(getattr(cfg, "architectures", None) or []),
             "vocab_size": self.vocab_size,
             "context_length": self.context_length,

@@ -25,7 +25,7 @@ from miles_rollout._http_generate import parse_generate, response_dict
 from miles_rollout.client import ROUTING_KEY_HEADER
 from miles_rollout.engine import Engine
 from miles_rollout.sampling_params import SamplingParams
-from miles_transfer import deserialize_named_tensors
+from miles_transfer.push import deserialize_named_tensors
 
 __all__ = ["ServerHandle", "prometheus_text", "serve"]
 
@@ -120,6 +120,7 @@ class _Routes:
                         rid=item.rid,
                         data_parallel_rank=item.data_parallel_rank,
                         routing_key=header_key if header_key is not None else item.routing_key,
+                        return_routed_experts=item.return_routed_experts,
                     )
                 )
             outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
