@@ -7,7 +7,7 @@ SPEC_JSON: {"megatron": {MegatronConfig fields}, "trainer": {TrainerConfig field
 construction equals the checkpoint bit for bit (the TP / EP / PP gather), then runs one
 `train_step` per seed. Rank 0 writes ``result.json`` (metrics per step, the initial logprobs)
 and, after the last step, ``params.safetensors`` (`named_hf_tensors`) and ``grads.safetensors``
-(`named_hf_grads`).
+(`named_hf_grads`, when it can: one data-parallel replica or no distributed optimizer).
 """
 
 from __future__ import annotations
@@ -57,11 +57,14 @@ def main() -> None:
         trainer.train_step(make_batch(spec.get("batch_size", 5), seed=s)) for s in spec["steps"]
     ]
     params = {n: t.cpu().contiguous() for n, t in trainer.named_hf_tensors()}
-    grads = {n: t.cpu().contiguous() for n, t in trainer.named_hf_grads()}
+    grads = {}
+    if trainer.data_parallel_size == 1 or not cfg.megatron.distributed_optimizer:
+        grads = {n: t.cpu().contiguous() for n, t in trainer.named_hf_grads()}
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(params, str(out_dir / "params.safetensors"))
-        save_file(grads, str(out_dir / "grads.safetensors"))
+        if grads:
+            save_file(grads, str(out_dir / "grads.safetensors"))
         record = {"world": trainer.world_size, "metrics": metrics, "logprobs": logprobs}
         (out_dir / "result.json").write_text(json.dumps(record))
 

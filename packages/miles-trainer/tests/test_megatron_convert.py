@@ -85,7 +85,7 @@ def test_qkv_is_interleaved_per_query_group() -> None:
 def test_shards_match_miles_transfer_megatron_layout(
     make: Callable[[], Any], tp: int, pp: int, ep: int, etp: int
 ) -> None:
-    mt = pytest.importorskip("miles_transfer")
+    mt = pytest.importorskip("miles_transfer.p2p.layouts")
     config = make()
     full = hf_state(config)
     dims = ModelDims.from_hf_config(config, vocab_multiple=128 * tp)

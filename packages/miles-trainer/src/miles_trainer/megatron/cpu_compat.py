@@ -12,7 +12,8 @@ no-op there), so the GPU path runs megatron-core unchanged:
   (dropout is off in RL training, and initialisation is replaced by the HF weights);
 - `RotaryEmbedding.get_emb` keeps its frequencies on the CPU instead of moving them to CUDA;
 - `cpu_scope` (entered around megatron's DDP, optimizer and schedule calls, not around the
-  model's own forward) maps ``torch.cuda.current_device()`` and ``device="cuda"`` factory
+  model's own forward) makes ``torch.cuda.synchronize()`` a no-op (after the pipeline's gloo
+  send/recv), maps ``torch.cuda.current_device()`` and ``device="cuda"`` factory
   arguments to the CPU, makes ``Tensor.cuda()`` the identity and reports float tensors'
   ``type()`` under their CUDA names, which is what those type checks compare against.
 
@@ -135,19 +136,24 @@ def _cpu_current_device() -> torch.device:
     return _CPU
 
 
+def _no_sync(device: Any = None) -> None:
+    """CPU work is done when the call returns: nothing to wait for."""
+
+
 @contextlib.contextmanager
 def cpu_scope() -> Iterator[None]:
     """Run megatron-core glue (DDP, optimizer, schedules) on the CPU; a no-op with CUDA."""
     if not needs_cpu_compat():
         yield
         return
-    original = torch.cuda.current_device
+    saved = torch.cuda.current_device, torch.cuda.synchronize
     torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+    torch.cuda.synchronize = _no_sync  # pipeline send/recv waits on CUDA after gloo returns
     try:
         with _CudaToCpu():
             yield
     finally:
-        torch.cuda.current_device = original
+        torch.cuda.current_device, torch.cuda.synchronize = saved  # type: ignore[assignment]
 
 
 @contextlib.contextmanager

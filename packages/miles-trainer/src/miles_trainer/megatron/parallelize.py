@@ -123,9 +123,7 @@ def transformer_config(
     """
     cpu = cpu_compat.needs_cpu_compat()
     torch_dtype = _DTYPES[dtype]
-    # (The dispatcher setting matters for MoE only, but megatron checks it against
-    # variable_seq_lengths for every model.)
-    kwargs: dict[str, Any] = {"moe_token_dispatcher_type": cfg.moe_token_dispatcher}
+    kwargs: dict[str, Any] = {}
     if dims.num_experts:
         kwargs.update(
             num_moe_experts=dims.num_experts,
@@ -137,6 +135,7 @@ def transformer_config(
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
+            moe_token_dispatcher_type=cfg.moe_token_dispatcher,
         )
     return TransformerConfig(
         num_layers=dims.num_layers,
@@ -172,8 +171,8 @@ def transformer_config(
         expert_model_parallel_size=cfg.ep,
         expert_tensor_parallel_size=cfg.etp,
         sequence_parallel=cfg.sequence_parallel,
-        # Pipeline stages exchange activations of each micro-batch's own shape.
-        variable_seq_lengths=cfg.pp > 1,
+        # The trainer pads a step's micro-batches to one shape when pipelining.
+        variable_seq_lengths=False,
         **kwargs,
     )
 
@@ -228,17 +227,20 @@ def build_model(hf_config: Any, dims: ModelDims, cfg: MegatronConfig, dtype: str
         block = TransformerBlockSubmodules(
             layer_specs=[layer] * per_stage, layer_norm=MegatronRMSNorm
         )
-    module = GPTModel(
-        config=tcfg,
-        transformer_layer_spec=block,
-        vocab_size=dims.padded_vocab,
-        max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=dims.tie,
-        position_embedding_type="rope",
-        **_rope(hf_config),
-    )
+    # cpu_scope: with tied embeddings over pipeline stages megatron moves the output
+    # layer's copy to CUDA before syncing it with the first stage's embedding.
+    with cpu_compat.cpu_scope():
+        module = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=block,
+            vocab_size=dims.padded_vocab,
+            max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=dims.tie,
+            position_embedding_type="rope",
+            **_rope(hf_config),
+        )
     if not cpu_compat.needs_cpu_compat():
         module.cuda(torch.cuda.current_device())
     return BuiltModel(module=module, config=tcfg)

@@ -54,6 +54,7 @@ class _Micro:
     mb: MicroBatch
     real: bool
     key: tuple[int, int]  # (mini-batch, micro-batch)
+    shape: tuple[int, int] | None = None  # pad the model input to (B, L); None: its own
 
 
 def _minibatch_indices(n: int, num_minibatches: int) -> list[list[int]]:
@@ -64,6 +65,22 @@ def _minibatch_indices(n: int, num_minibatches: int) -> list[list[int]]:
         out.append(list(range(start, start + size)))
         start += size
     return out
+
+
+def _one_shape(micros: list[_Micro], mcfg: Any = None) -> list[_Micro]:
+    """Give micro-batches that are padded (``shape`` set, or ``mcfg`` given) one common shape:
+    the largest; a pipeline's buffers have one shape for a whole schedule."""
+    if mcfg is not None:
+        tp = mcfg.tp if mcfg.sequence_parallel else 1
+        for m in micros:
+            B, L = m.mb.input_ids_BL.shape
+            m.shape = (B, -(-L // tp) * tp)
+    shapes = [m.shape for m in micros if m.shape is not None]
+    if shapes:
+        common = (max(B for B, _ in shapes), max(L for _, L in shapes))
+        for m in micros:
+            m.shape = common
+    return micros
 
 
 def _load_hf_state(path: str) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -159,6 +176,9 @@ class MegatronTrainer:
         self._dp_rank = ps.get_data_parallel_rank()
         # The rank whose metrics and logprobs every rank adopts: data-parallel replica 0's
         # TP rank 0 on the last pipeline stage.
+        # Pipeline stages and megatron's MoE all-gather dispatcher exchange activations of one
+        # shape across ranks; other layouts run each micro-batch at its own size.
+        self._fixed_shapes = mcfg.pp > 1 or bool(self._dims.num_experts and mcfg.ep * mcfg.etp > 1)
         self._reports_replica = ps.is_pipeline_last_stage() and self._par.tp_rank == 0
         self._reports = self._reports_replica and self._dp_rank == 0
         self._src = 0
@@ -312,19 +332,33 @@ class MegatronTrainer:
         for j in range(max(len(p) for p in plans)):
             chunk = mine[j] if j < len(mine) else indices[:1]
             out.append(_Micro(make_micro_batch(batch, chunk, self._device), j < len(mine), (k, j)))
+        if self._fixed_shapes:
+            # Every rank pads to the largest micro-batch of any replica: pipeline stages and
+            # the MoE all-gather exchange tensors of one shape.
+            chunks = [c for p in plans for c in p]
+            tp = self.config.megatron.tp if self.config.megatron.sequence_parallel else 1
+            longest = max(len(batch.tokens[i]) for c in chunks for i in c)
+            shape = (max(map(len, chunks)), -(-longest // tp) * tp)
+            for m in out:
+                m.shape = shape
         return out
 
     # ------------------------------------------------------------------ forward
 
-    def _model_inputs(self, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
+    def _model_inputs(
+        self, mb: MicroBatch, shape: tuple[int, int] | None
+    ) -> tuple[torch.Tensor, ...]:
+        """GPTModel's inputs: ids right-padded to ``shape`` (pipeline stages exchange fixed
+        shapes) or to a multiple of tp (sequence parallelism splits the sequence), positions,
+        and the causal mask. Padding sits after every real token and row, so a causal model's
+        outputs at real positions do not change."""
         ids_BL = mb.input_ids_BL
         B, L = ids_BL.shape
-        if self.config.megatron.sequence_parallel and L % self.config.megatron.tp:
-            # The sequence is split over the TP ranks: pad it (after every real token, so a
-            # causal model's outputs at real positions do not change).
-            extra = self.config.megatron.tp - L % self.config.megatron.tp
-            ids_BL = torch.nn.functional.pad(ids_BL, (0, extra))
-            L += extra
+        tp = self.config.megatron.tp if self.config.megatron.sequence_parallel else 1
+        B2, L2 = shape if shape is not None else (B, -(-L // tp) * tp)
+        if (B2, L2) != (B, L):
+            ids_BL = torch.nn.functional.pad(ids_BL, (0, L2 - L, 0, B2 - B))
+            B, L = B2, L2
         pos_BL = torch.arange(L, device=ids_BL.device).expand(B, L)
         # True = masked (megatron's convention); passed explicitly so that no default mask
         # is built on CUDA.
@@ -335,8 +369,8 @@ class MegatronTrainer:
         self, logits_BLv: torch.Tensor, mb: MicroBatch, *, with_entropy: bool, grad: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, L, v = logits_BLv.shape
-        # MicroBatch.logit_pos_BR indexes the flattened [B * L0, V] logits of the unpadded
-        # length L0; re-base it when the sequence was padded for sequence parallelism.
+        # MicroBatch.logit_pos_BR indexes the flattened [B0 * L0, V] logits of the unpadded
+        # micro-batch; re-base it when `_model_inputs` padded (extra rows come last).
         L0 = mb.input_ids_BL.shape[1]
         pos_BR = mb.logit_pos_BR
         if L != L0:
@@ -356,7 +390,7 @@ class MegatronTrainer:
 
     def _forward_step(self, handler: Any, data_iterator: Iterator[_Micro], model: Any) -> Any:
         micro = next(data_iterator)
-        ids_BL, pos_BL, mask_11LL = self._model_inputs(micro.mb)
+        ids_BL, pos_BL, mask_11LL = self._model_inputs(micro.mb, micro.shape)
         with cpu_compat.outside_cpu_scope():
             out = model(ids_BL, pos_BL, mask_11LL)
         return out, partial(handler, micro)
@@ -366,17 +400,16 @@ class MegatronTrainer:
         the last stage and returns ``(loss, info)``."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        longest = max(m.mb.input_ids_BL.shape[1] for m in micros)
-        tp = self.config.megatron.tp
-        longest = -(-longest // tp) * tp
+        shapes = [m.shape or tuple(m.mb.input_ids_BL.shape) for m in micros]
         with cpu_compat.cpu_scope(), cpu_compat.quiet_megatron():
             get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, handler),
                 data_iterator=iter(micros),
                 model=[model],
                 num_microbatches=len(micros),
-                seq_length=longest,
-                micro_batch_size=max(m.mb.input_ids_BL.shape[0] for m in micros),
+                # With pipeline stages every micro-batch has this one (padded) shape.
+                seq_length=max(L for _, L in shapes),
+                micro_batch_size=max(B for B, _ in shapes),
                 forward_only=forward_only,
             )
 
@@ -425,6 +458,8 @@ class MegatronTrainer:
             _Micro(make_micro_batch(batch, chunk, self._device), True, (0, j))
             for j, chunk in enumerate(self._plan(batch, list(range(len(batch)))))
         ]
+        if self._fixed_shapes:
+            micros = _one_shape(micros, self.config.megatron)
         logp = self._logprob_pass(self._module, micros)
         rows: list[list[float]] = []
         if self._reports:
@@ -481,7 +516,7 @@ class MegatronTrainer:
         n_mb = min(cfg.num_minibatches, len(batch))
         minibatches = _minibatch_indices(len(batch), n_mb)
         micros = [self._micro_batches(batch, idx, k) for k, idx in enumerate(minibatches)]
-        flat = [m for group in micros for m in group]
+        flat = _one_shape([m for group in micros for m in group])
 
         need_old = not lcfg.use_rollout_logprobs
         old_from_train = need_old and n_mb == 1
