@@ -153,7 +153,7 @@ def cpu_scope() -> Iterator[None]:
         with _CudaToCpu():
             yield
     finally:
-        torch.cuda.current_device, torch.cuda.synchronize = saved  # type: ignore[assignment]
+        torch.cuda.current_device, torch.cuda.synchronize = saved
 
 
 @contextlib.contextmanager
