@@ -47,9 +47,12 @@ async def check_timeout_kills_tree(sb: Sandbox) -> None:
     r = await sb.exec(cmd, timeout=1.5)
     assert r.timed_out
     assert r.exit_code == 124
+    # Running means a /proc entry in a state other than Z (a zombie is dead, waiting for its
+    # reaper).
     r = await sb.exec(
-        "for f in /tmp/t_child /tmp/t_grand; do kill -0 $(cat $f) 2>/dev/null && echo alive; done;"
-        " echo checked"
+        "for f in /tmp/t_child /tmp/t_grand; do "
+        's=$(cut -d" " -f3 /proc/$(cat $f)/stat 2>/dev/null); [ -n "$s" ] && [ "$s" != Z ] '
+        "&& echo alive; done; echo checked"
     )
     assert r.stdout == "checked\n", r.stdout
 

@@ -387,15 +387,15 @@ class LocalSandbox(Sandbox):
         finally:
             if feeder is not None:
                 feeder.cancel()
-            await asyncio.wait(
-                [asyncio.ensure_future(c.eof.wait()) for c in (out, err)], timeout=_DRAIN_S
-            )
+            waits = [asyncio.ensure_future(c.eof.wait()) for c in (out, err)]
+            _done, pending = await asyncio.wait(waits, timeout=_DRAIN_S)
+            for w in pending:
+                w.cancel()
             for c in (out, err):
                 if not c.eof.is_set():  # held open by a background process: drain, discard
                     c.detach()
                     self._lingering.add(c)
-            if self._cg is not None and not self._cg.release(group):
-                self._groups.add(group)
+            self._release_groups(group)
         rc = proc.returncode
         assert rc is not None
         if timed_out:
@@ -412,6 +412,16 @@ class LocalSandbox(Sandbox):
             duration_s=time.monotonic() - start,
             truncated=out.dropped > 0 or err.dropped > 0,
         )
+
+    def _release_groups(self, group: str) -> None:
+        """Remove this exec's tracking group, and those of earlier execs whose background
+        processes have ended since (a group stays while a process runs in it)."""
+        if self._cg is None:
+            return
+        self._groups.add(group)
+        self._groups = {g for g in self._groups if not self._cg.release(g)}
+        for c in [c for c in self._lingering if c.fd < 0]:  # pipes whose writers ended
+            self._lingering.discard(c)
 
     async def _kill_tree(self, proc: asyncio.subprocess.Process, group: str) -> None:
         if self._cg is not None and self._cg.tracker is not None:
