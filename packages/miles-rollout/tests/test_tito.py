@@ -16,7 +16,7 @@ import pytest
 from miles_rollout.session.families import FAMILIES
 from miles_rollout.session.protocol import message_key, parse_chat_request
 from miles_rollout.session.render import TitoRenderer
-from miles_rollout.session.tool_parsers import parse_tool_calls
+from miles_rollout.session.tool_parsers import parse_tool_calls, split_reasoning
 from miles_rollout.session.trajectory import Trajectory, TurnPlan
 
 pytest.importorskip("gguf", reason="the SmolLM2 tokenizer is read from GGUF: pip install gguf")
@@ -323,6 +323,28 @@ def test_tool_call_parsers() -> None:
     assert parse_tool_calls("[TOOL_CALLS]oops", "mistral").error
     with pytest.raises(ValueError, match="unknown tool parser"):
         parse_tool_calls("x", "nope")
+
+
+def test_reasoning_is_split_and_dropping_it_keeps_the_sample(qwen3: TitoRenderer) -> None:
+    tags = qwen3.family.reasoning_tags
+    assert tags == ("<think>", "</think>")
+    assert split_reasoning("<think>\nhmm, 6*7\n</think>\n\n42", tags) == ("hmm, 6*7", "42")
+    assert split_reasoning("no block </think>", tags) == ("no block", "")
+    assert split_reasoning("42", tags) == (None, "42")
+    # The server returns the block as reasoning_content; a client that drops it from the
+    # history still appends (the stored ids keep the reasoning the model generated).
+    traj = Trajectory(renderer=qwen3)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "6*7?"}]
+    plan = traj.plan(messages, None)
+    reply = {"role": "assistant", "content": "42", "reasoning_content": "hmm, 6*7"}
+    ids = qwen3.encode("<think>\nhmm, 6*7\n</think>\n\n42<|im_end|>")
+    commit(traj, plan, ids, reply)
+    dropped = [*messages, {"role": "assistant", "content": "42"}, {"role": "user", "content": "ok"}]
+    plan = traj.plan(dropped, None)
+    assert plan.kind == "append"
+    assert traj.input_ids(plan)[: len(traj.tokens)] == traj.tokens
+    edited = [*messages, {"role": "assistant", "content": "41"}, {"role": "user", "content": "ok"}]
+    assert traj.plan(edited, None).kind == "new_sample"
 
 
 @pytest.mark.parametrize(

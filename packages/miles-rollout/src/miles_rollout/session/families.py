@@ -33,6 +33,9 @@ class TemplateFamily:
             template ignores ``tools``; ``None`` to use the tokenizer's template as it is.
         decode_special: keep special tokens in the decoded text (Mistral's ``[TOOL_CALLS]``
             is a control token the parser needs); otherwise they are skipped.
+        reasoning_tags: the (start, end) markers of a reasoning block at the start of a
+            reply (Qwen3's ``<think>``); the block is returned as ``reasoning_content``, not
+            content, so a client that drops it from the history still matches.
     """
 
     name: str
@@ -42,6 +45,7 @@ class TemplateFamily:
     markers: tuple[str, ...]
     tools_template: str | None = None
     decode_special: bool = False
+    reasoning_tags: tuple[str, str] | None = None
 
 
 FAMILIES: dict[str, TemplateFamily] = {
@@ -54,6 +58,7 @@ FAMILIES: dict[str, TemplateFamily] = {
             tool_parser="hermes",
             markers=("<|im_start|>", "<tool_call>"),
             tools_template=QWEN3_TEMPLATE,
+            reasoning_tags=("<think>", "</think>"),
         ),
         TemplateFamily(
             name="chatml",

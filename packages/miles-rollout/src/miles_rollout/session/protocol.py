@@ -284,6 +284,8 @@ def chat_completion(
 ) -> dict[str, Any]:
     """An OpenAI ``chat.completion`` object for one generated message."""
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
     if parsed.tool_calls:
         message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
         if not parsed.content:

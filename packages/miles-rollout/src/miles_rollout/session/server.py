@@ -18,6 +18,7 @@ when the engine fails, times out or aborts the turn (the session keeps its compl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -36,7 +37,7 @@ from miles_rollout.client import EngineClient, SGLangClient, SGLangHTTPError
 from miles_rollout.sampling_params import SamplingParams
 from miles_rollout.session.protocol import ChatRequest, chat_completion, parse_chat_request
 from miles_rollout.session.render import TitoRenderer
-from miles_rollout.session.tool_parsers import ParsedMessage, parse_tool_calls
+from miles_rollout.session.tool_parsers import ParsedMessage, parse_tool_calls, split_reasoning
 from miles_rollout.session.trajectory import Trajectory
 
 __all__ = [
@@ -249,6 +250,8 @@ class _Routes:
         reply: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             reply["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
+        if parsed.reasoning is not None:
+            reply["reasoning_content"] = parsed.reasoning
         target.commit(
             plan,
             output_ids=ids,
@@ -286,12 +289,15 @@ class _Routes:
         text = self.renderer.tokenizer.decode(body, skip_special_tokens=not family.decode_special)
         if isinstance(matched, str) and matched in text:
             text = text[: text.index(matched)]  # OpenAI cuts the text before a stop string
+        reasoning = None
+        if family.reasoning_tags is not None:
+            reasoning, text = split_reasoning(text, family.reasoning_tags)
         if not req.parse_tools:
-            return ParsedMessage(content=text, tool_calls=[])
+            return ParsedMessage(content=text, tool_calls=[], reasoning=reasoning)
         parsed = parse_tool_calls(text, family.tool_parser)
         if parsed.error is not None:
             logger.info("unparsed tool call returned as content: %s", parsed.error)
-        return parsed
+        return dataclasses.replace(parsed, reasoning=reasoning)
 
 
 def build_session_app(

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PARSERS", "ParsedMessage", "ToolCall", "parse_tool_calls"]
+__all__ = ["PARSERS", "ParsedMessage", "ToolCall", "parse_tool_calls", "split_reasoning"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,7 @@ class ParsedMessage:
     content: str
     tool_calls: list[ToolCall]
     error: str | None = None
+    reasoning: str | None = None
 
 
 class _BadCallError(ValueError):
@@ -163,3 +164,19 @@ def parse_tool_calls(text: str, parser: str) -> ParsedMessage:
     except _BadCallError as exc:
         return ParsedMessage(content=text, tool_calls=[], error=str(exc))
     return ParsedMessage(content=content, tool_calls=calls)
+
+
+def split_reasoning(text: str, tags: tuple[str, str]) -> tuple[str | None, str]:
+    """``(reasoning, rest)`` of a reply that opens with a reasoning block.
+
+    The start tag is optional (templates may put it in the generation prompt); without the end
+    tag there is no block and the text is returned whole: ``(None, text)``.
+    """
+    start, end = tags
+    head, sep, tail = text.partition(end)
+    if not sep:
+        return None, text
+    head = head.lstrip()
+    if head.startswith(start):
+        head = head[len(start) :]
+    return head.strip(), tail.lstrip()
