@@ -36,19 +36,22 @@ def figure(what: str, outcome: str) -> None:
 
 
 def uid_pids(uid: int) -> list[int]:
-    """Host pids whose real uid is ``uid``."""
+    """Host pids whose real uid is ``uid``, zombies left out (dead, awaiting their reaper:
+    a killed command whose parent, the host-side nsenter, died with it is reaped by the
+    host's init)."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            for line in Path(f"/proc/{entry}/status").read_text().splitlines():
-                if line.startswith("Uid:"):
-                    if int(line.split()[1]) == uid:
-                        out.append(int(entry))
-                    break
-        except OSError:
+            fields = dict(
+                line.split(":", 1)
+                for line in Path(f"/proc/{entry}/status").read_text().splitlines()
+            )
+        except (OSError, ValueError):
             continue
+        if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
+            out.append(int(entry))
     return out
 
 
