@@ -49,9 +49,12 @@ def test_builtin_suite(policy: str, want: float) -> None:
     _no_leftovers()
 
 
+BAD_NAMES = ("good", "no-test", "crash", "silent", "hang", "garbage", "json", "no-solution")
+
+
 def _suite_of_bad_tasks(root: Path) -> Path:
     src = builtin_tasks_dir() / GOOD
-    for name in ("good", "no-test", "crash", "silent", "hang", "garbage", "json", "no-solution"):
+    for name in (*BAD_NAMES, "stuck-agent"):
         shutil.copytree(src, root / name)
     (root / "no-test" / "tests" / "test.sh").unlink()
     (root / "crash" / "tests" / "test.sh").write_text("echo 'verifier broke' >&2\nexit 3\n")
@@ -66,14 +69,18 @@ def _suite_of_bad_tasks(root: Path) -> Path:
         'echo \'{"reward": 0.5, "style": 1}\' > /logs/verifier/reward.json\n'
     )
     shutil.rmtree(root / "no-solution" / "solution")
+    # An agent that never stops: stopped at the agent timeout, then verified as it left things.
+    (root / "stuck-agent" / "solution" / "solve.sh").write_text("sleep 600\n")
+    toml = (root / "stuck-agent" / "task.toml").read_text()
+    (root / "stuck-agent" / "task.toml").write_text(
+        toml.replace("[agent]\ntimeout_sec = 120.0", "[agent]\ntimeout_sec = 1.0")
+    )
     return root
 
 
 def test_bad_tasks(tmp_path: Path) -> None:
     results = {r.task: r for r in check_tasks(_suite_of_bad_tasks(tmp_path), "oracle")}
-    assert sorted(results) == sorted(
-        ["good", "no-test", "crash", "silent", "hang", "garbage", "json", "no-solution"]
-    )
+    assert sorted(results) == sorted([*BAD_NAMES, "stuck-agent"])
 
     def bad(name: str, *fragments: str) -> TaskResult:
         r = results[name]
@@ -93,6 +100,9 @@ def test_bad_tasks(tmp_path: Path) -> None:
     bad("no-solution", "missing solution/solve.sh")
     assert results["json"].reward == 0.5
     assert not results["json"].error
+    stuck = results["stuck-agent"]
+    assert (stuck.reward, stuck.error, stuck.agent_exit_code) == (0.0, False, 124)
+    assert "solve.sh timed out after 1 s" in stuck.notes
     _no_leftovers()
 
 
