@@ -662,7 +662,7 @@ async def _open_namespaces(child: int) -> dict[str, int]:
         if kids:
             break
         await asyncio.sleep(pause)
-        pause = min(pause * 2, 0.02)
+        pause = min(pause * 2, 0.002)
     pid = int(kids[0])
     fds: dict[str, int] = {}
     try:
