@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from miles_env._files import pack_dir, unpack_tar
 from miles_env.spec import ExecResult, SandboxSpec
 
-__all__ = ["BACKENDS", "Sandbox", "SandboxClosedError", "create_sandbox"]
+__all__ = ["BACKENDS", "Sandbox", "SandboxClosedError", "create_sandbox", "open_sandboxes"]
 
 log = logging.getLogger(__name__)
 

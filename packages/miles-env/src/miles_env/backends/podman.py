@@ -109,7 +109,7 @@ class PodmanSandbox(Sandbox):
                 "'public', or a cloud backend"
             )
         image = spec.image or BASE_IMAGE
-        ok, why = available(image)
+        ok, why = await asyncio.to_thread(available, image)
         if not ok:
             raise RuntimeError(f"podman backend unavailable: {why}")
         if not _cleaned:
@@ -165,6 +165,7 @@ class PodmanSandbox(Sandbox):
         return sb
 
     def alive(self) -> bool:
+        """Asks podman (a blocking call of a few tens of milliseconds)."""
         if self._closed:
             return False
         r = subprocess.run(
@@ -225,7 +226,8 @@ class PodmanSandbox(Sandbox):
             out, err = await proc.communicate()
         rc = proc.returncode
         assert rc is not None
-        if rc != 0 and not timed_out and not self.alive():
+        # 125: podman's own failure (e.g. the container is gone), not the command's.
+        if rc == 125 and not timed_out and not await asyncio.to_thread(self.alive):
             raise SandboxClosedError(f"podman sandbox {self.id} is gone (ttl_s or removed)")
         truncated = len(out) > self._max_output or len(err) > self._max_output
         return ExecResult(
