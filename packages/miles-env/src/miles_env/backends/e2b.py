@@ -28,6 +28,7 @@ SDK_SURFACE: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("e2b:AsyncSandbox.kill", ()),
     ("e2b:Sandbox.kill", ()),
+    ("e2b:Sandbox._cls_kill", ("sandbox_id",)),  # Sandbox.kill(sandbox_id) on the class
     (
         "e2b.sandbox_async.commands.command:Commands.run",
         ("cmd", "envs", "user", "cwd", "timeout"),
