@@ -63,6 +63,8 @@ def test_sdk_surface(name: str) -> None:
         obj = _resolve(path)
         missing = set(used) - _params(obj)
         assert not missing, f"{dist} {version}: {path} has no parameter(s) {sorted(missing)}"
+    for path in getattr(ADAPTERS[name], "SDK_AIO", []):
+        assert hasattr(_resolve(path), "aio"), f"{dist} {version}: {path} has no .aio variant"
 
 
 @pytest.mark.parametrize("name", sorted(ADAPTERS))

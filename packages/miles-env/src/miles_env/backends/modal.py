@@ -17,7 +17,7 @@ from miles_env.backends._cloud import key_status, require_sdk
 from miles_env.sandbox import Command, Sandbox, argv_of, check_env
 from miles_env.spec import ExecResult, SandboxSpec
 
-__all__ = ["APP_NAME", "SDK_SURFACE", "ModalSandbox", "available"]
+__all__ = ["APP_NAME", "SDK_AIO", "SDK_SURFACE", "ModalSandbox", "available"]
 
 APP_NAME = "miles-env"
 SDK_SURFACE: list[tuple[str, tuple[str, ...]]] = [
@@ -45,6 +45,17 @@ SDK_SURFACE: list[tuple[str, tuple[str, ...]]] = [
     ("modal.sandbox._filesystem:_SandboxFilesystem.read_bytes", ("remote_path",)),
     ("modal.sandbox._filesystem:_SandboxFilesystem.write_bytes", ("data", "remote_path")),
     ("modal.container_process:ContainerProcess.wait", ()),
+]
+# Called through their ``.aio`` async variant (synchronicity wrappers).
+SDK_AIO: list[str] = [
+    "modal:App.lookup",
+    "modal:Sandbox.create",
+    "modal:Sandbox.exec",
+    "modal:Sandbox.terminate",
+    "modal.sandbox.sandbox:SandboxFilesystem.read_bytes",
+    "modal.sandbox.sandbox:SandboxFilesystem.write_bytes",
+    "modal.io_streams:StreamReader.read",
+    "modal.container_process:ContainerProcess.wait",
 ]
 
 
