@@ -44,7 +44,7 @@ SDK_SURFACE: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("agentenv:SandboxResource.exec", ("command",)),
     ("agentenv:SandboxResource.delete", ()),
-    ("agentenv.api.models:SandboxExecResult", ()),
+    ("agentenv.api.models:SandboxExecResult", ("output", "exit_code")),
 ]
 
 

@@ -52,6 +52,7 @@ SDK_SURFACE: list[tuple[str, tuple[str, ...]]] = [
     ("daytona._async.sandbox:AsyncSandbox.delete", ("timeout",)),
     ("daytona:Daytona.get", ("sandbox_id_or_name",)),
     ("daytona._sync.sandbox:Sandbox.delete", ("timeout",)),
+    ("daytona.common.process:ExecuteResponse", ("exit_code", "result")),
 ]
 
 

@@ -37,6 +37,7 @@ SDK_SURFACE: list[tuple[str, tuple[str, ...]]] = [
     ("e2b.sandbox_async.filesystem.filesystem:Filesystem.write", ("path", "data")),
     ("e2b:CommandExitException", ("stderr", "stdout", "exit_code", "error")),
     ("e2b:TimeoutException", ()),
+    ("e2b:CommandResult", ("stdout", "stderr", "exit_code")),
 ]
 
 
