@@ -16,15 +16,9 @@ import pytest
 import torch
 
 from miles_rollout import EngineConfig, SamplingParams, serve
-from miles_transfer import (
-    HTTPReceiver,
-    encode_delta,
-    iter_safetensors,
-    save_safetensors,
-    tensor_digest,
-    update_engine_from_delta,
-    update_engine_via_disk,
-)
+from miles_transfer import HTTPReceiver, tensor_digest, update_engine_from_delta
+from miles_transfer.checkpoint import iter_safetensors, save_safetensors
+from miles_transfer.delta import encode_delta, update_engine_via_disk
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("xxhash")

@@ -115,14 +115,14 @@ def test_quantize_when_threads_cannot_start(shim: Path) -> None:
 
 
 def test_transfer_copy_when_threads_cannot_start(shim: Path) -> None:
-    mt = pytest.importorskip("miles_transfer")
+    mt = pytest.importorskip("miles_transfer.p2p")
     if not mt.reshard_native_available():
         pytest.skip(f"miles-transfer native extension not built: {mt.reshard_native_error()}")
     _check(
         _run(
             shim,
             """
-        from miles_transfer import CopyOp, copy_ops
+        from miles_transfer.p2p import CopyOp, copy_ops
         src = torch.arange(4096 * 1024, dtype=torch.float32).reshape(4096, 1024)
         op = CopyOp("w", (0, 0), (4096, 1000), 0, "w", (4096, 1024), (0, 0),
                     0, "w", (4096, 1000), (0, 0), 4)

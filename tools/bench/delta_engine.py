@@ -29,14 +29,10 @@ from pathlib import Path
 import torch
 
 from miles_rollout import EngineConfig, SamplingParams
-from miles_transfer import (
-    encode_delta,
-    iter_safetensors,
-    tensor_digest,
-    update_engine_from_delta,
-    update_engine_via_disk,
-)
-from miles_transfer._delta_format import MemoryCheckpoint
+from miles_transfer import tensor_digest, update_engine_from_delta
+from miles_transfer.checkpoint import iter_safetensors
+from miles_transfer.delta import encode_delta, update_engine_via_disk
+from miles_transfer.delta.format import MemoryCheckpoint
 
 
 def bf16_dir(src: Path, dst: Path) -> Path:

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from miles_transfer import iter_safetensors
-from miles_transfer._delta import encode_checkpoints
-from miles_transfer._delta_format import CheckpointIndex, MemoryCheckpoint
+from miles_transfer.checkpoint import iter_safetensors
+from miles_transfer.delta.encode import encode_checkpoints
+from miles_transfer.delta.format import CheckpointIndex, MemoryCheckpoint
 
 QUANT_FORMATS = ("fp8_block128", "mxfp4", "nvfp4")
 _PACKED_FP4 = ("mxfp4", "nvfp4")

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from miles_transfer._delta import encode_checkpoints
-from miles_transfer._delta_format import MemoryCheckpoint
-from miles_transfer._delta_materialize import materialize_checkpoint
-from miles_transfer._delta_native import _ext, delta_isa
+from miles_transfer.delta.encode import encode_checkpoints
+from miles_transfer.delta.format import MemoryCheckpoint
+from miles_transfer.delta.materialize import materialize_checkpoint
+from miles_transfer.delta.native import _ext, delta_isa
 
 
 def make_model(mb: int, changed: float, seed: int) -> tuple[list[tuple[str, torch.Tensor]], ...]:

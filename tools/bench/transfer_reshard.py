@@ -25,19 +25,21 @@ from typing import Literal
 
 import torch
 
-from miles_transfer import (
+from miles_transfer import plan_transfer
+from miles_transfer.p2p import (
     CopyOp,
-    ModelShape,
     TransferPlan,
     copy_ops,
+    pack,
+    packed_bytes,
+    reshard_native_available,
+)
+from miles_transfer.p2p.layouts import (
+    ModelShape,
     fsdp_layout,
     materialize,
     megatron_layout,
-    pack,
-    packed_bytes,
-    plan_transfer,
     qwen3_params,
-    reshard_native_available,
     sglang_layout,
 )
 

@@ -37,24 +37,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from miles_transfer import (
+from miles_transfer import ShardReceiver, ShardSender, plan_transfer, tensor_digest
+from miles_transfer.dist import shutdown_process_group
+from miles_transfer.p2p import dst_peer, src_peer
+from miles_transfer.p2p.layouts import (
     ModelShape,
+    fsdp_layout,
+    materialize,
+    qwen3_params,
+    sglang_layout,
+)
+from miles_transfer.p2p.transports import (
     MooncakeTransport,
-    ShardReceiver,
-    ShardSender,
     ShmTransport,
     TcpTransport,
     TorchDistributedTransport,
-    dst_peer,
-    fsdp_layout,
-    materialize,
     mooncake_available,
-    plan_transfer,
-    qwen3_params,
-    sglang_layout,
-    shutdown_process_group,
-    src_peer,
-    tensor_digest,
 )
 
 

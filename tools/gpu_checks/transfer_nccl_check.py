@@ -33,23 +33,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from miles_transfer import (
-    InProcessHub,
+from miles_transfer import ShardReceiver, ShardSender, plan_transfer
+from miles_transfer.p2p import copy_ops, pack, packed_bytes, unpack
+from miles_transfer.p2p.layouts import (
     ModelShape,
-    ShardReceiver,
-    ShardSender,
-    TorchDistributedTransport,
-    copy_ops,
     fsdp_layout,
     materialize,
     megatron_layout,
-    pack,
-    packed_bytes,
-    plan_transfer,
     qwen3_params,
     sglang_layout,
-    unpack,
 )
+from miles_transfer.p2p.transports import InProcessHub, TorchDistributedTransport
 
 DENSE = ModelShape(
     hidden=512, intermediate=1536, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=64,

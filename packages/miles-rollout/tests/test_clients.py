@@ -20,7 +20,8 @@ from miles_rollout import (
     SGLangClient,
     serve,
 )
-from miles_transfer import serialize_named_tensors, tensor_digest
+from miles_transfer import tensor_digest
+from miles_transfer.push import serialize_named_tensors
 
 T = TypeVar("T")
 Teacher = Callable[[list[int], list[int], float], list[float]]

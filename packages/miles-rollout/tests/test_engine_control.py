@@ -241,7 +241,7 @@ def test_updates_over_http_abort_requests_only_when_asked(
     import aiohttp
 
     from miles_rollout import serve
-    from miles_transfer import serialize_named_tensors
+    from miles_transfer.push import serialize_named_tensors
 
     def body(version: str, abort: bool | None) -> dict[str, object]:
         if endpoint == "/update_weight_version":

@@ -25,19 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from miles_transfer import (
-    ShardReceiver,
-    ShardSender,
-    TcpTransport,
-    fsdp_layout,
-    materialize,
-    module_param_specs,
-    module_shards,
-    plan_transfer,
-    shutdown_process_group,
-    split_layout,
-    tensor_digest,
-)
+from miles_transfer import ShardReceiver, ShardSender, plan_transfer, tensor_digest
+from miles_transfer.dist import shutdown_process_group
+from miles_transfer.p2p import module_param_specs, module_shards
+from miles_transfer.p2p.layouts import fsdp_layout, materialize, split_layout
+from miles_transfer.p2p.transports import TcpTransport
 
 IN, HIDDEN, OUT = 16, 64, 8
 

@@ -35,10 +35,10 @@ from miles_transfer import (
     DeltaSubscriber,
     HTTPReceiver,
     ModuleReceiver,
-    WeightServer,
     tensor_digest,
-    update_engine_via_disk,
 )
+from miles_transfer.delta import update_engine_via_disk
+from miles_transfer.push import WeightServer
 
 
 def build_model(model_path: str | None) -> torch.nn.Module:

@@ -30,13 +30,8 @@ import time
 
 import torch
 
-from miles_transfer import (
-    HTTPReceiver,
-    ModuleReceiver,
-    WeightServer,
-    iter_full_state,
-    push_weights,
-)
+from miles_transfer import HTTPReceiver, ModuleReceiver, push_weights
+from miles_transfer.push import WeightServer, iter_full_state
 
 
 def make_model(seed: int) -> torch.nn.Module:

@@ -48,7 +48,7 @@ def write_golden(out: Path) -> None:
     """Write base/new checkpoints and both encodings' deltas under ``out`` (the generator)."""
     from delta_testutil import write_checkpoint
 
-    from miles_transfer import encode_delta
+    from miles_transfer.delta import encode_delta
 
     base, new = checkpoints()
     write_checkpoint(out / "base", base)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from miles_transfer import save_safetensors
+from miles_transfer.checkpoint import save_safetensors
 
 
 def write_checkpoint(

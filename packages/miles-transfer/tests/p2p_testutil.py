@@ -9,20 +9,15 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from miles_transfer import (
+from miles_transfer import ShardReceiver, ShardSender
+from miles_transfer.p2p import TransferPlan, TransferReport, dst_peer, src_peer
+from miles_transfer.p2p.layouts import ModelShape, ParamSpec
+from miles_transfer.p2p.transports import (
     InProcessHub,
-    ModelShape,
     MooncakeTransport,
-    ParamSpec,
-    ShardReceiver,
-    ShardSender,
     ShmTransport,
     TcpTransport,
-    TransferPlan,
-    TransferReport,
     Transport,
-    dst_peer,
-    src_peer,
 )
 
 

@@ -8,7 +8,8 @@ import struct
 import pytest
 import torch
 
-from miles_transfer import iter_safetensors, save_safetensors, tensor_digest
+from miles_transfer import tensor_digest
+from miles_transfer.checkpoint import iter_safetensors, save_safetensors
 from miles_transfer.cli import main
 
 

@@ -13,17 +13,17 @@ from delta_testutil import base_tensors, same_files, snapshot, step, write_check
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import miles_transfer._delta_codec as codec
-from miles_transfer import (
+import miles_transfer.delta.codec as codec
+from miles_transfer.checkpoint import iter_safetensors
+from miles_transfer.delta import (
     DeltaBaseError,
     apply_delta,
     encode_delta,
-    iter_safetensors,
     materialize_delta,
     recover_target,
     verify_delta,
 )
-from miles_transfer._delta_apply import JOURNAL
+from miles_transfer.delta.apply import JOURNAL
 
 pytest.importorskip("xxhash")
 
@@ -299,7 +299,7 @@ def test_worker_threads_write_the_same_bytes(ckpts, tmp_path, monkeypatch):
 
 
 def test_a_chain_applied_at_once_equals_the_steps_one_by_one(tmp_path):
-    from miles_transfer._delta_chain import materialize_chain
+    from miles_transfer.delta.chain import materialize_chain
 
     v0 = base_tensors()
     v1 = step(v0, 0.05, seed=1)

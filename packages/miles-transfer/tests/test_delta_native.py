@@ -20,20 +20,20 @@ import torch
 from delta_golden import CHUNK_ELEMS, GOLDEN, checkpoints
 from delta_testutil import base_tensors, same_files, step, write_checkpoint
 
-import miles_transfer._delta_codec as codec
-from miles_transfer import encode_delta, materialize_delta
+import miles_transfer.delta.codec as codec
 from miles_transfer._bytes import byte_view
-from miles_transfer._delta import encode_checkpoints
-from miles_transfer._delta_format import CheckpointIndex, MemoryCheckpoint
-from miles_transfer._delta_materialize import materialize_checkpoint
-from miles_transfer._delta_native import (
+from miles_transfer.checkpoint import SAFETENSORS_DTYPES
+from miles_transfer.delta import encode_delta, materialize_delta
+from miles_transfer.delta.encode import encode_checkpoints
+from miles_transfer.delta.format import CheckpointIndex, MemoryCheckpoint
+from miles_transfer.delta.materialize import materialize_checkpoint
+from miles_transfer.delta.native import (
     StripeHash,
     _ext,
     delta_isa,
     delta_native_available,
     native_encode,
 )
-from miles_transfer._safetensors import SAFETENSORS_DTYPES
 
 pytest.importorskip("xxhash")
 pytestmark = pytest.mark.skipif(
@@ -303,8 +303,8 @@ def test_without_the_extension_deltas_take_the_torch_path(tmp_path: Path) -> Non
         "from pathlib import Path\n"
         "from delta_golden import CHUNK_ELEMS, GOLDEN, checkpoints\n"
         "from delta_testutil import same_files, write_checkpoint\n"
-        "from miles_transfer import encode_delta, materialize_delta\n"
-        "from miles_transfer._delta_native import delta_native_available\n"
+        "from miles_transfer.delta import encode_delta, materialize_delta\n"
+        "from miles_transfer.delta.native import delta_native_available\n"
         "assert not delta_native_available()\n"
         "tmp = Path(sys.argv[1])\n"
         "base_t, new_t = checkpoints()\n"

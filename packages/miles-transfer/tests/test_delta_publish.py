@@ -10,20 +10,16 @@ import torch
 from delta_testutil import same_files
 
 from miles_transfer import (
-    DeltaBaseError,
     DeltaPublisher,
     DeltaSubscriber,
     HTTPReceiver,
     ModuleReceiver,
-    ReceiverError,
-    WeightServer,
-    iter_full_state,
-    iter_safetensors,
-    save_safetensors,
     tensor_digest,
     update_engine_from_delta,
-    update_engine_via_disk,
 )
+from miles_transfer.checkpoint import iter_safetensors, save_safetensors
+from miles_transfer.delta import DeltaBaseError, update_engine_via_disk
+from miles_transfer.push import ReceiverError, WeightServer, iter_full_state
 
 pytest.importorskip("xxhash")
 

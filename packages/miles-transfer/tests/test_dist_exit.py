@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from miles_transfer import shutdown_process_group, wait_for_gloo_workers
+from miles_transfer.dist import shutdown_process_group, wait_for_gloo_workers
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

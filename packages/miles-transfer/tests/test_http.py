@@ -13,17 +13,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from miles_transfer import (
-    HTTPReceiver,
-    ModuleReceiver,
+from miles_transfer import HTTPReceiver, ModuleReceiver, push_weights, tensor_digest
+from miles_transfer.checkpoint import save_safetensors
+from miles_transfer.push import (
     ReceiverError,
     WeightMismatchError,
     WeightServer,
     deserialize_named_tensors,
     iter_full_state,
-    push_weights,
-    save_safetensors,
-    tensor_digest,
 )
 
 

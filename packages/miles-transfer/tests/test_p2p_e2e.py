@@ -19,23 +19,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from p2p_testutil import module_with, random_bits
 
-from miles_transfer import (
+from miles_transfer import ShardReceiver, ShardSender, plan_transfer, tensor_digest
+from miles_transfer.dist import shutdown_process_group
+from miles_transfer.p2p import module_param_specs, module_shards
+from miles_transfer.p2p.layouts import (
     ModelShape,
-    ShardReceiver,
-    ShardSender,
-    ShmTransport,
-    TcpTransport,
-    TorchDistributedTransport,
     fsdp_layout,
     materialize,
-    module_param_specs,
-    module_shards,
-    plan_transfer,
     qwen3_params,
     sglang_layout,
-    shutdown_process_group,
-    tensor_digest,
 )
+from miles_transfer.p2p.transports import ShmTransport, TcpTransport, TorchDistributedTransport
 
 # Odd sizes so FSDP2's dim-0 chunks are uneven (vocab 101 -> 51 + 50 rows; head_dim 3).
 SHAPE = ModelShape(

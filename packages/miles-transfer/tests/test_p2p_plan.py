@@ -8,18 +8,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from p2p_testutil import DENSE, MOE, random_bits
 
-from miles_transfer import (
+from miles_transfer import plan_transfer
+from miles_transfer.p2p import TransferPlan, reshard_local
+from miles_transfer.p2p.layouts import (
     Layout,
     ModelShape,
     ParamSpec,
-    TransferPlan,
     fsdp_layout,
     materialize,
     megatron_layout,
-    plan_transfer,
     qwen3_params,
     replicated_layout,
-    reshard_local,
     sglang_layout,
     split_layout,
 )

@@ -12,20 +12,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from p2p_testutil import DENSE, MOE, random_bits
 
-from miles_transfer import (
-    ModelShape,
+from miles_transfer import plan_transfer
+from miles_transfer.p2p import (
     copy_ops,
+    pack,
+    packed_bytes,
+    reshard_native_available,
+    reshard_native_error,
+    unpack,
+)
+from miles_transfer.p2p.layouts import (
+    ModelShape,
     fsdp_layout,
     materialize,
     megatron_layout,
-    pack,
-    packed_bytes,
-    plan_transfer,
     qwen3_params,
-    reshard_native_available,
-    reshard_native_error,
     sglang_layout,
-    unpack,
 )
 
 native = pytest.mark.skipif(
@@ -127,7 +129,8 @@ def test_errors_name_the_tensor_and_what_to_do():
 def test_without_the_extension_the_torch_reference_runs_with_a_warning():
     code = (
         "import warnings, torch\n"
-        "from miles_transfer import *\n"
+        "from miles_transfer.p2p import *\n"
+        "from miles_transfer.p2p.layouts import *\n"
         "from p2p_testutil import DENSE, random_bits\n"
         "assert not reshard_native_available()\n"
         "assert 'MILES_TRANSFER_DISABLE_NATIVE' in reshard_native_error()\n"
@@ -182,19 +185,19 @@ def test_without_a_compiler_the_package_installs_and_uses_the_reference(tmp_path
         [py, "-m", "pip", "install", "-q", "torch==2.13.0", wheel], check=True, timeout=600
     )
     code = (
-        "import torch, warnings, miles_transfer as m\n"
+        "import torch, warnings, miles_transfer.p2p as m, miles_transfer.p2p.layouts as lay\n"
         "assert not m.reshard_native_available()\n"
         "assert 'no C++ compiler' in m.reshard_native_error()\n"
-        "s = m.ModelShape(hidden=8, intermediate=8, num_layers=1, num_heads=2, num_kv_heads=1,\n"
+        "s = lay.ModelShape(hidden=8, intermediate=8, num_layers=1, num_heads=2, num_kv_heads=1,\n"
         "                 head_dim=4, vocab=10)\n"
-        "p = m.plan_transfer(m.fsdp_layout(m.qwen3_params(s), 2), m.sglang_layout(s, tp=2))\n"
-        "full = {n: torch.randn(v.shape).to(v.dtype) for n, v in m.qwen3_params(s).items()}\n"
+        "p = m.plan_transfer(lay.fsdp_layout(lay.qwen3_params(s), 2), lay.sglang_layout(s, tp=2))\n"
+        "full = {n: torch.randn(v.shape).to(v.dtype) for n, v in lay.qwen3_params(s).items()}\n"
         "out = {0: p.dst.rank(0).allocate()}\n"
         "with warnings.catch_warnings(record=True) as w:\n"
         "    warnings.simplefilter('always')\n"
-        "    m.reshard_local(p, {r: m.materialize(p.src, r, full) for r in range(2)}, out)\n"
+        "    m.reshard_local(p, {r: lay.materialize(p.src, r, full) for r in range(2)}, out)\n"
         "assert any('PyTorch reference' in str(x.message) for x in w)\n"
-        "ref = m.materialize(p.dst, 0, full)\n"
+        "ref = lay.materialize(p.dst, 0, full)\n"
         "assert all(torch.equal(ref[k], out[0][k]) for k in ref)\n"
         "print('ok')\n"
     )

@@ -8,24 +8,17 @@ import pytest
 import torch
 from p2p_testutil import DENSE, MOE, make_transports, module_with, random_bits, run_threads
 
-from miles_transfer import (
-    InProcessHub,
-    ShardReceiver,
-    ShardSender,
-    TransferReport,
-    TransportError,
+from miles_transfer import ShardReceiver, ShardSender, plan_transfer, tensor_digest
+from miles_transfer.p2p import TransferReport, module_buffers, module_param_specs
+from miles_transfer.p2p.layouts import (
     fsdp_layout,
     materialize,
     megatron_layout,
-    module_buffers,
-    module_param_specs,
-    mooncake_available,
-    plan_transfer,
     qwen3_params,
     replicated_layout,
     sglang_layout,
-    tensor_digest,
 )
+from miles_transfer.p2p.transports import InProcessHub, TransportError, mooncake_available
 
 KINDS = [
     "inprocess",

@@ -5,15 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_transfer import (
-    ModuleReceiver,
-    SyncReport,
-    WeightMismatchError,
-    WeightReceiver,
-    iter_full_state,
-    push_weights,
-    tensor_digest,
-)
+from miles_transfer import ModuleReceiver, SyncReport, WeightReceiver, push_weights, tensor_digest
+from miles_transfer.push import WeightMismatchError, iter_full_state
 
 
 def _model(seed: int) -> torch.nn.Module:

@@ -42,7 +42,7 @@ def test_install_with_the_delta_extra_and_run_the_example(tmp_path):
     # The command line on checkpoints the example's trainer published.
     mt = env_dir / "bin" / "miles-transfer"
     code = (
-        "import torch, miles_transfer as mt\n"
+        "import torch, miles_transfer.checkpoint as mt\n"
         "a = [('w', torch.arange(64, dtype=torch.float32).bfloat16())]\n"
         "b = [('w', a[0][1].clone())]\n"
         "b[0][1][3] += 1\n"

@@ -34,12 +34,13 @@ def test_install_alone_and_run_the_example(tmp_path):
     assert not names & {"transformers", "safetensors", "numpy", "requests", "aiohttp"}
 
     code = (
-        "import sys, miles_transfer, torch\n"
+        "import sys, torch, miles_transfer, miles_transfer.checkpoint, miles_transfer.delta\n"
+        "import miles_transfer.p2p.layouts, miles_transfer.p2p.transports, miles_transfer.push\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in "
         "('numpy', 'transformers', 'safetensors', 'requests', 'aiohttp')]\n"
         "assert not bad, bad\n"
         "w = torch.ones(2, dtype=torch.bfloat16)\n"
-        "miles_transfer.save_safetensors([('w', w)], 'w.safetensors')\n"
+        "miles_transfer.checkpoint.save_safetensors([('w', w)], 'w.safetensors')\n"
         "print(miles_transfer.__version__)\n"
     )
     _run(py, "-c", code, cwd=tmp_path)

@@ -11,16 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from miles_transfer import (
-    ModuleReceiver,
-    WeightMismatchError,
-    bucketize,
-    iter_full_state,
-    push_module_weights,
-    shutdown_process_group,
-    tensor_digest,
-    wait_for_gloo_workers,
-)
+from miles_transfer import ModuleReceiver, push_module_weights, tensor_digest
+from miles_transfer.dist import shutdown_process_group, wait_for_gloo_workers
+from miles_transfer.push import WeightMismatchError, bucketize, iter_full_state
 
 
 def _named(sizes: list[int]) -> list[tuple[str, torch.Tensor]]:

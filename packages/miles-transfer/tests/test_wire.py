@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_transfer import (
+from miles_transfer import tensor_digest
+from miles_transfer.push import (
     deserialize_named_tensors,
     discard_serialized,
     serialize_named_tensors,
-    tensor_digest,
 )
-from miles_transfer._wire import _WireUnpickler
+from miles_transfer.push.wire import _WireUnpickler
 
 FORMATS = [None, "flattened_bucket"]
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -102,7 +102,8 @@ _CHILD = textwrap.dedent(
     """
     import gc, json, sys
     sys.path.insert(0, {src!r})
-    from miles_transfer import deserialize_named_tensors, tensor_digest
+    from miles_transfer import tensor_digest
+    from miles_transfer.push import deserialize_named_tensors
     out = deserialize_named_tensors(sys.stdin.read(), load_format={fmt!r})
     print(json.dumps([[n, tensor_digest(t)] for n, t in out]))
     del out

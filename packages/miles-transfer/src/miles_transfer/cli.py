@@ -13,9 +13,9 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from miles_transfer._delta_cli import add_delta_parser
-from miles_transfer._digest import tensor_digest
-from miles_transfer._safetensors import iter_safetensors
+from miles_transfer.checkpoint import iter_safetensors
+from miles_transfer.delta.cli import add_delta_parser
+from miles_transfer.digest import tensor_digest
 from miles_transfer.version import __version__
 
 __all__ = ["build_parser", "main"]
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b", help="checkpoint B (file or directory)")
     p.set_defaults(func=_cmd_compare)
 
-    add_delta_parser(sub)  # delta encode|apply|verify (_delta_cli.py)
+    add_delta_parser(sub)  # delta encode|apply|verify (delta/cli.py)
     return parser
 
 
