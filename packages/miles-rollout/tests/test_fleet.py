@@ -107,6 +107,7 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         engines=2,
         dp_size=2,
         engine_args={"num_threads": 1},  # each rank one thread
+        replace_dead_engines=True,
         log_dir=str(tmp_path_factory.mktemp("fleet-logs")),
         startup_timeout_s=300,
     )
@@ -266,12 +267,17 @@ def test_engine_death_moves_its_sessions_and_a_replacement_joins(fleet: Fleet) -
             assert m["fleet/engines_alive"] == 1
             assert m["fleet/cache_tokens_lost"] == lost
 
-            # The router takes the dead engine's ranks out; a replacement joins and, with the
-            # live engines paused, four new sessions fill the four live (engine, rank) workers.
+            # The router takes the dead engine's ranks out; the fleet starts a replacement
+            # (replace_dead_engines) that joins the router; with the live engines paused, four
+            # new sessions fill the four live (engine, rank) workers.
             dead = {f"{victim.url}@{r}" for r in range(2)}
             await _until(lambda: not dead & _healthy_workers(fleet.url), "dead ranks marked down")
-            new = await asyncio.to_thread(fleet.add_engine)
+            await _until(
+                lambda: any(ev.kind == "engine_added" for ev in fleet.events), "a replacement"
+            )
+            new = fleet.engines[-1]
             assert new.index == 2
+            assert fleet.engine_urls == [survivor.url, new.url]
             assert {f"{new.url}@{r}" for r in range(2)} <= _healthy_workers(fleet.url)
             await _tag(fleet)
             live = [survivor, new]
@@ -294,7 +300,6 @@ def test_engine_death_moves_its_sessions_and_a_replacement_joins(fleet: Fleet) -
                     await d.close()
             outs = await asyncio.gather(*held)
             assert Counter(o.weight_version for o in outs) == {f"e{survivor.index}": 2, "e2": 2}
-            assert any(ev.kind == "engine_added" and ev.engine == 2 for ev in fleet.events)
 
     asyncio.run(main())
 

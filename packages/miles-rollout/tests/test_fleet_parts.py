@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -245,3 +246,21 @@ def test_sglang_backend_without_sglang_fails_cleanly(tmp_path: Path) -> None:
     assert fleet.engines == []
     log = (tmp_path / "logs" / "engine-0.log").read_text()
     assert f"-m sglang.launch_server --model-path {tmp_path} --host 127.0.0.1 --port" in log
+
+
+def test_health_wait_stops_when_cancelled(tmp_path: Path) -> None:
+    """Closing the fleet cancels a replacement that is still loading."""
+    spawner = Spawner()
+    child = spawner.spawn(
+        "engine 2", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "e.log"
+    )
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    try:
+        with pytest.raises(StartupError, match="cancelled while waiting for engine 2"):
+            wait_healthy(
+                child, EngineCommand([], free_port()), "127.0.0.1", time.monotonic() + 60, cancel
+            )
+    finally:
+        child.stop(5)
+        spawner.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -93,13 +94,18 @@ def wait_for(
     what: str,
     deadline: float,
     interval_s: float = 0.1,
+    cancel: threading.Event | None = None,
 ) -> None:
-    """Poll ``check()`` until it is true; fail at once if ``child`` exits, or at ``deadline``.
+    """Poll ``check()`` until it is true; fail at once if ``child`` exits or ``cancel`` is
+    set, or at ``deadline``.
 
     Raises:
-        StartupError: the process exited or the deadline passed (with its log's tail).
+        StartupError: the process exited, the wait was cancelled, or the deadline passed
+            (with the tail of the process's log).
     """
     while True:
+        if cancel is not None and cancel.is_set():
+            raise StartupError(f"cancelled while waiting for {child.name} to get to {what}")
         status = child.poll()
         if status is not None:
             raise StartupError(
@@ -134,11 +140,17 @@ def health_ok(url: str, timeout_s: float = 5.0) -> bool:
         return False
 
 
-def wait_healthy(child: ChildProcess, command: EngineCommand, host: str, deadline: float) -> str:
+def wait_healthy(
+    child: ChildProcess,
+    command: EngineCommand,
+    host: str,
+    deadline: float,
+    cancel: threading.Event | None = None,
+) -> str:
     """Wait until the engine answers ``/health`` with 200; return its base URL.
 
     Raises:
-        StartupError: it exited, or was not healthy by ``deadline``.
+        StartupError: it exited, was not healthy by ``deadline``, or ``cancel`` was set.
     """
     url = f"http://{host}:{command.port}" if command.port else None
     if url is None:
@@ -150,10 +162,14 @@ def wait_healthy(child: ChildProcess, command: EngineCommand, host: str, deadlin
                 found.append(u)
             return u is not None
 
-        wait_for(announced, child=child, what="printing its URL", deadline=deadline)
+        wait_for(announced, child=child, what="printing its URL", deadline=deadline, cancel=cancel)
         url = found[0]
     base = url
     wait_for(
-        lambda: health_ok(base), child=child, what=f"a healthy {base}/health", deadline=deadline
+        lambda: health_ok(base),
+        child=child,
+        what=f"a healthy {base}/health",
+        deadline=deadline,
+        cancel=cancel,
     )
     return base

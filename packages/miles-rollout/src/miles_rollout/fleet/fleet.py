@@ -90,6 +90,7 @@ class Fleet:
         self._lock = threading.RLock()  # engines, events, counters
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
+        self._replacements: list[threading.Thread] = []
         self._closed = False
         self._router_died = False
         self._sessions_moved = 0.0
@@ -143,6 +144,8 @@ class Fleet:
         self._stop.set()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join()
+        for thread in self._replacements:  # they see the stop and stop their engine
+            thread.join()
         timeout = self.config.stop_timeout_s
         if self.router is not None:
             self.router.stop(timeout)
@@ -166,6 +169,12 @@ class Fleet:
     def failed(self) -> bool:
         """True once the router process has died (the fleet cannot route any more)."""
         return self._router_died
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """The base URLs of the live engines (weight updates go to each, not to the router)."""
+        with self._lock:
+            return [e.url for e in self.engines if e.alive]
 
     @property
     def pids(self) -> list[int]:
@@ -202,6 +211,7 @@ class Fleet:
             what=f"the router listing {sorted(want)} as healthy",
             deadline=deadline,
             interval_s=0.2,
+            cancel=self._stop,
         )
 
     def add_engine(self) -> EngineHandle:
@@ -219,7 +229,7 @@ class Fleet:
         _, child, command = self._spawn_engine(index)
         deadline = time.monotonic() + self.config.startup_timeout_s
         try:
-            url = wait_healthy(child, command, self.config.host, deadline)
+            url = wait_healthy(child, command, self.config.host, deadline, cancel=self._stop)
             self._api.add_worker(url)
             self._wait_registered(url, child, deadline)
         except BaseException:
@@ -325,10 +335,19 @@ class Fleet:
                 last_stats=dict(engine.last_stats),
             )
             if self.config.replace_dead_engines and not self._stop.is_set():
-                try:
-                    self.add_engine()
-                except Exception as exc:
-                    logger.error("fleet: could not replace engine %d: %s", engine.index, exc)
+                # In its own thread: monitoring goes on while the replacement loads.
+                thread = threading.Thread(
+                    target=self._replace, args=(engine.index,), name="fleet-replace", daemon=True
+                )
+                self._replacements.append(thread)
+                thread.start()
+
+    def _replace(self, dead: int) -> None:
+        try:
+            self.add_engine()
+        except Exception as exc:
+            if not self._stop.is_set():
+                logger.error("fleet: could not replace engine %d: %s", dead, exc)
 
     def _poll_stats(self) -> None:
         now = time.monotonic()
