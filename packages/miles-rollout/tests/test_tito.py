@@ -7,6 +7,7 @@ takes a few seconds, so they are module fixtures.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -59,7 +60,48 @@ def qwen3() -> TitoRenderer:
     return TitoRenderer(AutoTokenizer.from_pretrained(qwen3_tokenizer_dir()))
 
 
-@pytest.fixture(params=["smollm2", "qwen3"])
+# A Llama-3.1-style template (headers, <|eot_id|>, tools in the system turn, JSON calls with
+# "parameters", results as ipython turns), on the Qwen vocabulary (whose split pattern, like
+# Llama 3's, keeps "\n\n" one piece whatever follows) with Llama 3's header tokens added:
+# checks the llama3 family's join data and its JSON tool-call parser.
+LLAMA3_STYLE = (
+    "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}"
+    "{%- set rest = messages[1:] %}{%- else %}{%- set system = '' %}{%- set rest = messages %}"
+    "{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + system }}"
+    '{%- if tools %}{{- \'\\n\\nCall a function as {"name": ..., "parameters": ...}:\' }}'
+    "{%- for t in tools %}{{- '\\n' + (t | tojson) }}{%- endfor %}{%- endif %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- for m in rest %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- for c in m.tool_calls %}"
+    '{{- \'{"name": "\' + c.function.name + \'", "parameters": \' }}'
+    "{%- if c.function.arguments is string %}{{- c.function.arguments }}"
+    "{%- else %}{{- c.function.arguments | tojson }}{%- endif %}"
+    "{{- '}' }}{%- if not loop.last %}{{- '; ' }}{%- endif %}"
+    "{%- endfor %}{{- '<|eot_id|>' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
+    "{%- else %}"
+    "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def llama3_style(qwen3: TitoRenderer) -> TitoRenderer:
+    tok = copy.deepcopy(qwen3.tokenizer)
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+    )
+    tok.chat_template = LLAMA3_STYLE
+    return TitoRenderer(tok)
+
+
+@pytest.fixture(params=["smollm2", "qwen3", "llama3_style"])
 def renderer(request: pytest.FixtureRequest) -> TitoRenderer:
     return request.getfixturevalue(request.param)
 
@@ -142,6 +184,13 @@ def test_tito_ids_equal_a_full_render_when_outputs_are_canonical(
         assert traj.input_ids(plan) == expected, f"turn {turn}"
         ids = generated_ids(r, reply, tools, closed=closed)
         assert (ids[-1] == r.turn_end_id) is closed
+        if reply.get("tool_calls"):  # the family's parser reads back what the template wrote
+            text = r.tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=True)
+            parsed = parse_tool_calls(text, r.family.tool_parser)
+            assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+                (c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in reply["tool_calls"]
+            ]
         commit(traj, plan, ids, reply)
         generated += ids
         messages = [*messages, reply, *then]
