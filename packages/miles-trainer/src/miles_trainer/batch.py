@@ -51,6 +51,11 @@ class TrainBatch:
             None where the model did not generate the token or the version is unknown), or
             None for the whole batch. Reported as metrics.
         labels: per sample, a name for error messages (e.g. "group 3, index 1"), or None.
+        routed_experts: R3 (rollout routing replay), per sample the MoE experts the rollout
+            engine routed each token to: an integer array (numpy, torch or nested lists)
+            ``[len(tokens) - 1, num_layers, top_k]`` (SGLang's layout: row t is token t; the
+            last token never went through a forward) or ``[len(tokens), ...]``; None for a
+            sample without a record, or None for the whole batch. Stored as int32 tensors.
 
     Raises:
         ValueError: on any length mismatch or bad value, naming the sample.
@@ -65,6 +70,7 @@ class TrainBatch:
     advantages: list[list[float]] | None = None
     weight_versions: list[list[str | None]] | None = None
     labels: list[str] | None = None
+    routed_experts: list[Any] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -75,10 +81,14 @@ class TrainBatch:
                 "TrainBatch needs rewards (the trainer computes advantages) or advantages"
             )
         per_sample = ("response_lengths", "loss_masks", "rollout_logprobs", "rewards")
-        for name in (*per_sample, "group_ids", "advantages", "weight_versions", "labels"):
+        extra = ("group_ids", "advantages", "weight_versions", "labels", "routed_experts")
+        for name in (*per_sample, *extra):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"TrainBatch.{name} has {len(value)} entries, tokens has {n}")
+        if self.routed_experts is not None:
+            self.routed_experts = [_as_routed(self, i) for i in range(n)]
+            _check_routed_shapes(self)
         for i in range(n):
             self._check_sample(i)
 
@@ -150,6 +160,7 @@ class TrainBatch:
             advantages=pick(self.advantages),
             weight_versions=pick(self.weight_versions),
             labels=pick(self.labels),
+            routed_experts=pick(self.routed_experts),
         )
 
     @classmethod
@@ -161,6 +172,7 @@ class TrainBatch:
         Per-token weight versions come from ``weight_versions`` (one per response token, or one
         per token of ``tokens`` whose response part is taken) when the sample has a non-empty
         list, else from ``weight_version`` (one string for the whole response) when set.
+        ``routed_experts`` (R3) is taken when any sample has it (None for the others).
 
         Raises:
             ValueError: an ungraded sample, or fields that disagree (naming the sample).
@@ -184,6 +196,7 @@ class TrainBatch:
                 row if row is not None else [None for _ in range(s.response_length)]
                 for row, s in zip(versions, samples)
             ]
+        routed = [getattr(s, "routed_experts", None) for s in samples]
         return cls(
             tokens=[list(s.tokens) for s in samples],
             response_lengths=[int(s.response_length) for s in samples],
@@ -193,7 +206,54 @@ class TrainBatch:
             group_ids=[int(s.group_index) for s in samples],
             weight_versions=weight_versions,
             labels=labels,
+            routed_experts=routed if any(r is not None for r in routed) else None,
         )
+
+
+def _as_routed(batch: TrainBatch, i: int) -> torch.Tensor | None:
+    """Sample ``i``'s routed experts as an int32 tensor, checked against its tokens."""
+    assert batch.routed_experts is not None
+    rows = batch.routed_experts[i]
+    if rows is None:
+        return None
+    who = batch.name(i)
+    if isinstance(rows, torch.Tensor):
+        t = rows
+    elif hasattr(rows, "__array__"):  # numpy (maybe read-only: a decoded buffer)
+        import numpy as np
+
+        arr = np.asarray(rows)
+        t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+    else:
+        t = torch.as_tensor(rows)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{who}: routed_experts[{i}] must hold integer expert ids, got {t.dtype}")
+    n = len(batch.tokens[i])
+    if t.dim() != 3 or t.shape[0] not in (n - 1, n):
+        raise ValueError(
+            f"{who}: routed_experts[{i}] has shape {tuple(t.shape)}; it must be [len(tokens) - 1 "
+            f"= {n - 1} (or len(tokens)), num_layers, top_k]"
+        )
+    if t.numel() and int(t.min()) < 0:
+        raise ValueError(f"{who}: routed_experts[{i}] holds a negative expert id")
+    return t.to(torch.int32)
+
+
+def _check_routed_shapes(batch: TrainBatch) -> None:
+    """Every sample's routed experts have the same ``[num_layers, top_k]``."""
+    assert batch.routed_experts is not None
+    first: torch.Tensor | None = None
+    for i, t in enumerate(batch.routed_experts):
+        if t is None:
+            continue
+        if first is None:
+            first = t
+        elif t.shape[1:] != first.shape[1:]:
+            raise ValueError(
+                f"{batch.name(i)}: routed_experts[{i}] has [num_layers, top_k] = "
+                f"{list(t.shape[1:])}, an earlier sample {list(first.shape[1:])}: every sample "
+                "must come from the same model"
+            )
 
 
 def _response_versions(sample: Any, label: str) -> list[str | None] | None:
@@ -237,6 +297,9 @@ class MicroBatch:
         mask_BR: the loss mask (False in padding).
         rollout_logp_BR: rollout logprobs (0 in padding).
         advantages_BR: advantages (0 in padding; zeros until the trainer fills them).
+        routed_BLNK: R3: for each position of ``input_ids_BL``, the rollout's experts per layer
+            ``[B or 1, L, num_layers, top_k]`` int32, -1 where there is no record (padding, a
+            sample's last token, samples without a record); None when the batch has none.
     """
 
     indices: list[int]
@@ -248,6 +311,7 @@ class MicroBatch:
     mask_BR: torch.Tensor
     rollout_logp_BR: torch.Tensor
     advantages_BR: torch.Tensor
+    routed_BLNK: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -287,6 +351,7 @@ def make_micro_batch(
     mask = torch.zeros(B, R, dtype=torch.bool)
     rollout = torch.zeros(B, R, dtype=torch.float32)
     adv = torch.zeros(B, R, dtype=torch.float32)
+    routed = _routed_layout(batch, indices, input_ids.shape, packed=packed)
     offset = 0
     for b, i in enumerate(indices):
         toks, r = batch.tokens[i], batch.response_lengths[i]
@@ -319,7 +384,32 @@ def make_micro_batch(
         mask_BR=mask.to(device),
         rollout_logp_BR=rollout.to(device),
         advantages_BR=adv.to(device),
+        routed_BLNK=None if routed is None else routed.to(device),
     )
+
+
+def _routed_layout(
+    batch: TrainBatch, indices: Sequence[int], shape: torch.Size, *, packed: bool
+) -> torch.Tensor | None:
+    """The samples' routed experts laid out like ``input_ids_BL`` (-1 where not recorded)."""
+    if batch.routed_experts is None:
+        return None
+    rows = [batch.routed_experts[i] for i in indices]
+    known = next((r for r in batch.routed_experts if r is not None), None)
+    if known is None:
+        return None
+    out = torch.full((*shape, *known.shape[1:]), -1, dtype=torch.int32)
+    offset = 0
+    for b, (i, r) in enumerate(zip(indices, rows)):
+        n = len(batch.tokens[i])
+        if r is not None:
+            k = min(r.shape[0], n)
+            if packed:
+                out[0, offset : offset + k] = r[:k]
+            else:
+                out[b, :k] = r[:k]
+        offset += n
+    return out
 
 
 def plan_micro_batches(

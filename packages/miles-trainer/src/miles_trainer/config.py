@@ -270,6 +270,15 @@ class TrainerConfig:
         megatron: settings only the Megatron backend reads (TP / PP / EP layout, ...).
         backend: "fsdp" (`FSDPTrainer`: PyTorch FSDP2) or "megatron" (`MegatronTrainer`:
             megatron-core). Both take the same `TrainBatch` and use the same loss hub.
+        r3: rollout routing replay for MoE models: every forward of a train step (policy and
+            reference) routes each token to the experts recorded at rollout
+            (``TrainBatch.routed_experts``, required then) instead of the router's own top-k;
+            the gate weights stay the router's probabilities of those experts. Needs an MoE
+            model (HF Qwen3-MoE on FSDP2, megatron-core MoE on Megatron).
+        deterministic: deterministic kernels (``torch.use_deterministic_algorithms``; on CUDA
+            also ``CUBLAS_WORKSPACE_CONFIG``), set when the trainer is built. A run's own
+            ``run.deterministic`` sets it: with the same seeds, inputs and rank count, a run
+            resumed from a checkpoint then matches the uninterrupted one bit for bit.
     """
 
     model_path: str
@@ -295,6 +304,8 @@ class TrainerConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     backend: str = "fsdp"
+    r3: bool = False
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_path:

@@ -6,9 +6,11 @@ for a single device, or ``torchrun --nproc_per_node N`` for N (gloo on CPU, NCCL
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,12 +27,23 @@ from miles_trainer._metrics import StepMetrics, token_mean, version_metrics
 from miles_trainer._rmsnorm import use_fast_rms_norm
 from miles_trainer.advantages import batch_advantages, shape_and_filter
 from miles_trainer.batch import MicroBatch, TrainBatch, make_micro_batch, plan_micro_batches
+from miles_trainer.checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    check_compatible,
+    load_common,
+    read_meta,
+    set_deterministic,
+    write_checkpoint,
+)
 from miles_trainer.config import TrainerConfig
+from miles_trainer.fsdp import train_state
 from miles_trainer.fsdp.checkpoint import gather_full_state_dict
 from miles_trainer.fsdp.optim import build_optimizer
 from miles_trainer.fsdp.parallelize import PlacedModel, load_model
 from miles_trainer.logprobs import response_logprobs
 from miles_trainer.losses import value_loss
+from miles_trainer.r3 import RoutingReplay, hf_moe_dims, install_hf, routed_hf_order
 from miles_trainer.trainer import NonFiniteError
 
 __all__ = ["FSDPTrainer"]
@@ -86,6 +99,8 @@ class FSDPTrainer:
         self._loss_fn = config.loss.build()  # fails early on a user loss that does not import
         config.advantage.build()
         self._rank, self._world, self._device = init_distributed()
+        if config.deterministic:
+            set_deterministic(self._device)
         self._mesh = init_device_mesh(self._device.type, (self._world,), mesh_dim_names=("dp",))
         torch.manual_seed(config.seed)
         dtype = _DTYPES[config.dtype]
@@ -106,6 +121,7 @@ class FSDPTrainer:
             ref_module = load_model(
                 rcfg.path or config.model_path, what, attn_implementation=ref_attn, trainable=False
             )
+        self._r3 = _routing_replay(self._model, ref_module, config)
         critic_module = None
         if config.critic is not None:
             critic_module = config.critic.build(config.model_path, attn_implementation=attn)
@@ -186,9 +202,19 @@ class FSDPTrainer:
     # ------------------------------------------------------------------ forward
 
     def _forward(
-        self, model: PlacedModel, mb: MicroBatch, *, with_entropy: bool, entropy_grad: bool
+        self,
+        model: PlacedModel,
+        mb: MicroBatch,
+        *,
+        with_entropy: bool,
+        entropy_grad: bool,
+        count: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = model(input_ids=mb.input_ids_BL, position_ids=mb.position_ids_BL, use_cache=False)
+        routing: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if self._r3 is not None:  # R3: route as the rollout did (counting the training forward)
+            routing = self._r3.record(routed_hf_order(mb.routed_BLNK), count=count)
+        with routing:
+            out = model(input_ids=mb.input_ids_BL, position_ids=mb.position_ids_BL, use_cache=False)
         logits_BLV = out.logits
         pos_BR, targets_BR = mb.logit_pos_BR, mb.targets_BR
         if logits_BLV.device != pos_BR.device:  # a reference kept on the CPU
@@ -344,6 +370,8 @@ class FSDPTrainer:
                 "every optimizer step needs at least one sample"
             )
         self._check_tokens(batch)
+        if self._r3 is not None:
+            self._r3.check(batch)
         self._check_same_batch(batch)
         prepared, out = shape_and_filter(batch, cfg.advantage)
         if prepared is None:  # the group filter dropped everything: no update this step
@@ -401,7 +429,11 @@ class FSDPTrainer:
             for j, m in enumerate(group):
                 mb = m.mb
                 logp_BR, ent_BR = self._forward(
-                    self._policy, mb, with_entropy=True, entropy_grad=lcfg.entropy_coef > 0
+                    self._policy,
+                    mb,
+                    with_entropy=True,
+                    entropy_grad=lcfg.entropy_coef > 0,
+                    count=m.real,
                 )
                 if old_from_train:
                     old_BR = logp_BR.detach()
@@ -467,6 +499,8 @@ class FSDPTrainer:
             self._zero_grad()
 
         out.update(metrics.reduce(self._device, self._world))
+        if self._r3 is not None:
+            out.update(self._r3.metrics(self._device))
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         if self._critic is not None:
             out["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
@@ -574,6 +608,83 @@ class FSDPTrainer:
         if not ok:
             raise RuntimeError(f"rank 0 failed to write the checkpoint {os.fspath(path)!r}")
 
+    def _parts(self) -> train_state.Parts:
+        parts: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {
+            "model": (self._model, self._optimizer)
+        }
+        if self._critic is not None:
+            assert self._critic_optimizer is not None
+            parts["critic"] = (self._critic.module, self._critic_optimizer)
+        return parts
+
+    def save_checkpoint(
+        self, path: str | os.PathLike[str], *, step: int, client_state: Any = None
+    ) -> None:
+        """Write the whole training state to the directory ``path``, atomically. Collective.
+
+        Saved: the policy's fp32 weights and its optimizer state (torch AdamW format whatever
+        ``config.offload`` holds it in), the critic and its optimizer, every rank's RNG states,
+        ``step`` and ``client_state`` (rank 0's; pickled). The frozen reference is not saved
+        (it is reloaded from its path). See `miles_trainer.checkpoint` for the layout.
+
+        Args:
+            path: the checkpoint directory (a filesystem every rank sees); replaced if it
+                exists.
+            step: the caller's step number, returned by `load_checkpoint`.
+            client_state: anything picklable the caller wants back at resume (the loop's data
+                position, ...), or None.
+
+        Raises:
+            RuntimeError: some rank failed (nothing is left at ``path``; an older checkpoint
+                there is kept).
+        """
+        parts = self._parts()
+        write_checkpoint(
+            path,
+            device=self._device,
+            backend="fsdp",
+            step=step,
+            hf_config=self._model.config,
+            source_dir=self.config.model_path,
+            layout=self._layout(),
+            extra_meta={"dtype": self.config.dtype, **train_state.state_meta(parts)},
+            client_state=client_state,
+            write_state=lambda tmp: train_state.save_state(tmp / train_state.SUBDIR, parts),
+        )
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> CheckpointInfo:
+        """Restore what `save_checkpoint` wrote into this trainer. Collective.
+
+        The trainer must be built from the same model with the same world size (and critic
+        or not); the optimizer state loads whatever ``config.offload`` is. The RNG states are
+        restored last, so this process continues from where the saving one was.
+
+        Returns:
+            The step and client state that were saved.
+
+        Raises:
+            CheckpointError: a torn checkpoint, one of another backend, model or layout (the
+                message names the difference); nothing is changed then.
+        """
+        meta = read_meta(path)
+        check_compatible(
+            meta, path, backend="fsdp", hf_config=self._model.config, layout=self._layout()
+        )
+        parts = self._parts()
+        if meta["parts"] != sorted(parts):
+            raise CheckpointError(
+                f"checkpoint {path} holds {meta['parts']}, this trainer has {sorted(parts)}: "
+                "build the trainer with the same critic setting"
+            )
+        train_state.load_state(Path(path) / train_state.SUBDIR, parts, meta)
+        for placed in (self._policy, self._critic):
+            if placed is not None:
+                placed.refresh()
+        return load_common(path, meta)
+
+    def _layout(self) -> dict[str, Any]:
+        return {"world_size": self._world}
+
     def state_dict(self) -> dict[str, Any]:
         """Sharded model and optimizer state for resuming (DTensor values). Collective.
 
@@ -608,6 +719,37 @@ class FSDPTrainer:
                 model_state_dict=state["critic"],
                 optim_state_dict=_clone_tensors(state["critic_optimizer"]),
             )
+
+
+def _routing_replay(
+    model: torch.nn.Module, ref: torch.nn.Module | None, config: TrainerConfig
+) -> RoutingReplay | None:
+    """R3 on the policy's (and the reference's) MoE routers; None for a dense model.
+
+    Installed on every MoE model it supports, so that a batch with routed experts reports the
+    router agreement even with replay off (``config.r3`` False: routing unchanged).
+
+    Raises:
+        ValueError: ``config.r3`` on a model without replayable routers.
+    """
+    dims = hf_moe_dims(model.config)
+    replay = None
+    if dims is not None:
+        num_layers, top_k, num_experts = dims
+        replay = RoutingReplay(
+            replay=config.r3, num_layers=num_layers, top_k=top_k, num_experts=num_experts
+        )
+        if install_hf(model, replay) == 0:
+            replay = None
+        elif ref is not None:
+            install_hf(ref, replay)
+    if config.r3 and replay is None:
+        raise ValueError(
+            f"trainer.r3 needs an MoE model whose routers the FSDP backend replays (Hugging "
+            f"Face Qwen3-MoE); {config.model_path} is "
+            f"{getattr(model.config, 'model_type', '?')!r}: set trainer.r3: false"
+        )
+    return replay
 
 
 def _clip(module: torch.nn.Module, max_norm: float | None) -> float:
