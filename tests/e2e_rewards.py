@@ -22,3 +22,8 @@ def checkpoint_evaluator(checkpoint_dir: str) -> dict[str, float] | None:
     if path.name.endswith("_000002"):
         raise SkipEval("step 2 is skipped on purpose")
     return {"weight_bytes": float(sum(p.stat().st_size for p in path.glob("*.safetensors")))}
+
+
+def always_zero(sample: Sample) -> float:
+    """A run that cannot learn: every group has zero reward variance."""
+    return 0.0

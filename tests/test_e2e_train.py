@@ -137,3 +137,17 @@ def test_malformed_recipe_file(tmp_path: Path) -> None:
     proc = _miles(["train", str(recipe)], tmp_path)
     assert proc.returncode == 2
     assert "not valid YAML" in proc.stderr
+
+
+def test_a_run_that_cannot_learn_stops_with_the_likely_causes(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "flat"
+    extra = ["--set", "task.reward_fn=e2e_rewards:always_zero"]
+    extra += ["--set", "run.no_signal_steps=2", "--set", "run.no_signal_action=stop"]
+    proc = _miles(_train_args(tiny_model, run, 5, *extra), tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "miles: stopped: step 2: for 2 steps in a row" in proc.stderr
+    assert "Likely causes" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert [r["step"] for r in _metrics(run)] == [1]  # the run directory keeps what was done

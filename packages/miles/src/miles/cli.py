@@ -134,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("miles: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from miles.guards import RunStoppedError
+
+        if not isinstance(e, RunStoppedError):
+            raise
+        print(f"miles: stopped: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ YAML shape (every section optional except ``model_path``)::
     trainer:  {lr: 1e-4, loss: {clip_low: 0.2}}               # miles_trainer.TrainerConfig
     rollout:  {prompts_per_step: 16, n_samples_per_prompt: 8}
     task:     {name: arithmetic, params: {max_operand: 99}}
-    transfer: {bucket_mb: 64, verify: true}
+    transfer: {method: push, bucket_mb: 64, verify: true}        # push | p2p | delta
     run:      {num_steps: 60, save_every: 0}
 """
 
@@ -34,7 +34,9 @@ from miles_rollout import EngineConfig, SamplingParams
 from miles_trainer import TrainerConfig
 
 __all__ = [
+    "DeltaSettings",
     "EvalSettings",
+    "P2PSettings",
     "RolloutSettings",
     "RunConfig",
     "RunSettings",
@@ -73,6 +75,8 @@ class RolloutSettings:
             dotted path ``"pkg.module:fn"`` to ``fn(view: miles.rollout.GroupView) -> "keep" |
             "retry" | "drop"``.
         staleness_fallback: the decision when a user staleness function raises.
+        max_drop_frac: stop the run when more than this share of a step's groups was dropped
+            (a sample aborted or failed: engine errors, a reward function that raised).
         admission_pacing: async: start new prompts only while ``accepted + running <=
             (max_staleness + version + 1) * prompts_per_step`` (AReaL's rule), bounding
             staleness at admission instead of discarding slow groups.
@@ -88,8 +92,11 @@ class RolloutSettings:
     staleness_policy: str = "drop"
     staleness_fallback: str = "drop"
     admission_pacing: bool = False
+    max_drop_frac: float = 0.5
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.max_drop_frac <= 1.0:
+            raise ValueError(f"rollout.max_drop_frac must be in [0, 1], got {self.max_drop_frac}")
         if self.prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
         if self.n_samples_per_prompt < 2:
@@ -143,19 +150,96 @@ class TaskSettings:
     reward_fn: str | None = None
 
 
+TRANSFER_METHODS = ("push", "p2p", "delta")
+_P2P_TRANSPORTS = ("tcp", "shm")
+_DELTA_ENCODINGS = ("xor", "overwrite")
+
+
+@dataclass(kw_only=True, slots=True)
+class P2PSettings:
+    """``transfer.method: p2p``: every trainer rank sends its own shards, re-sharded on the way.
+
+    Attributes:
+        transport: between trainer ranks and the engine's receiver: ``"tcp"`` (any hosts) or
+            ``"shm"`` (same host). One trainer process with the embedded engine uses none.
+        host: the address this host's trainer ranks listen on (reachable by the receiver).
+        agent: with ``rollout.engine_url``: ``"host:port"`` of a ``miles-transfer p2p-agent``
+            already running beside the engine; ``null`` starts one on this host.
+    """
+
+    transport: str = "tcp"
+    host: str = "127.0.0.1"
+    agent: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.transport not in _P2P_TRANSPORTS:
+            raise ValueError(
+                f"transfer.p2p.transport must be one of {list(_P2P_TRANSPORTS)}, got "
+                f"{self.transport!r}"
+            )
+        if self.agent is not None:
+            host, _, port = self.agent.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(
+                    f"transfer.p2p.agent must be 'host:port' (what miles-transfer p2p-agent "
+                    f"prints), got {self.agent!r}"
+                )
+
+
+@dataclass(kw_only=True, slots=True)
+class DeltaSettings:
+    """``transfer.method: delta``: publish disk deltas that the engines pull and apply.
+
+    Attributes:
+        dir: where versions ``weight_v{N:06d}/`` are published (``null``: ``weights/`` in the
+            run directory). Engines read it, so it must be on their filesystem.
+        local_dir: with ``rollout.engine_url``: where the engine host's copy of each version
+            is materialized for ``update_weights_from_disk`` (``null``: ``<dir>/engine``).
+        encoding: ``"xor"`` (smallest) or ``"overwrite"`` (idempotent).
+        full_every: a full snapshot every this many versions (bounds the delta chain).
+    """
+
+    dir: str | None = None
+    local_dir: str | None = None
+    encoding: str = "xor"
+    full_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.encoding not in _DELTA_ENCODINGS:
+            raise ValueError(
+                f"transfer.delta.encoding must be one of {list(_DELTA_ENCODINGS)}, got "
+                f"{self.encoding!r}"
+            )
+        if self.full_every < 1:
+            raise ValueError(f"transfer.delta.full_every must be >= 1, got {self.full_every}")
+
+
 @dataclass(kw_only=True, slots=True)
 class TransferSettings:
     """Weight sync from the trainer to the engines.
 
     Attributes:
+        method: ``"push"``: gather full tensors, send buckets from rank 0 (every engine).
+            ``"p2p"``: every trainer rank sends its own shards straight into the engine's
+            layout (``p2p``). ``"delta"``: publish disk deltas the engines pull and apply
+            before a swap-only pause (``delta``).
         bucket_mb: bucket size in MiB for bucketed sends.
         verify: after every update, compare engine and trainer digests bit for bit.
+        p2p: settings of the ``p2p`` method.
+        delta: settings of the ``delta`` method.
     """
 
+    method: str = "push"
     bucket_mb: float = 64.0
     verify: bool = True
+    p2p: P2PSettings = field(default_factory=P2PSettings)
+    delta: DeltaSettings = field(default_factory=DeltaSettings)
 
     def __post_init__(self) -> None:
+        if self.method not in TRANSFER_METHODS:
+            raise ValueError(
+                f"transfer.method must be one of {list(TRANSFER_METHODS)}, got {self.method!r}"
+            )
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
 
@@ -216,6 +300,10 @@ class RunSettings:
         progress: show a progress bar.
         eval_every: evaluate every this many steps, and at step 0 and at the end (``eval``
             section); 0 turns evaluation off.
+        no_signal_steps: after this many steps in a row where at least 90% of the groups have
+            zero reward variance (nothing to learn), warn with the likely causes (or stop, see
+            ``no_signal_action``); 0 disables the check.
+        no_signal_action: ``"warn"`` or ``"stop"``.
         dump_samples: write every trained sample to ``samples.jsonl`` in the run directory
             (``step``, ``tokens``, ``loss_mask`` and ``weight_versions`` per token (``null``
             where the policy did not generate it), ``staleness``, ``reward``), to audit a run.
@@ -228,6 +316,8 @@ class RunSettings:
     plot_every: int = 10
     progress: bool = True
     eval_every: int = 0
+    no_signal_steps: int = 5
+    no_signal_action: str = "warn"
     dump_samples: bool = False
 
     def __post_init__(self) -> None:
@@ -237,6 +327,12 @@ class RunSettings:
             raise ValueError(f"save_every must be >= 0, got {self.save_every}")
         if self.plot_every < 1:
             raise ValueError(f"plot_every must be >= 1, got {self.plot_every}")
+        if self.no_signal_steps < 0:
+            raise ValueError(f"run.no_signal_steps must be >= 0, got {self.no_signal_steps}")
+        if self.no_signal_action not in ("warn", "stop"):
+            raise ValueError(
+                f"run.no_signal_action must be 'warn' or 'stop', got {self.no_signal_action!r}"
+            )
         if self.eval_every < 0:
             raise ValueError(f"run.eval_every must be >= 0, got {self.eval_every}")
 

@@ -31,6 +31,7 @@ import yaml
 from miles._runlog import RunLog, plot_reward_curve
 from miles.config import RunConfig
 from miles.evaluation import Evaluator, build_evaluator
+from miles.guards import RunStoppedError, StepGuard
 from miles.protocols import RolloutSource, Trainer, WeightSync
 from miles.rollout import AsyncRollout, RolloutEngines, SyncRollout, build_train_batch
 from miles.rollout.buffer import token_versions
@@ -130,11 +131,16 @@ def build_weight_sync(cfg: RunConfig, receiver: WeightReceiver | None) -> Weight
 
 
 def _rollout_payload(
-    source: RolloutSource, step: int, dump: TextIO | None
+    source: RolloutSource, step: int, dump: TextIO | None, guard: StepGuard
 ) -> tuple[Any, dict[str, Any]]:
-    """Rank 0: the next batch as a TrainBatch plus its ``rollout/`` metrics."""
+    """Rank 0: the next batch as a TrainBatch plus its ``rollout/`` metrics.
+
+    Raises:
+        RunStoppedError: the guard's checks (nothing to train on, too many drops, no signal).
+    """
     rb = source.next_batch(step)
     batch, stats = build_train_batch(rb.groups)
+    guard.check(step, len(rb.groups), batch, stats, reward_mean=rb.metrics.get("reward_mean"))
     if dump is not None and batch is not None:
         for group in rb.groups:
             if all(s.reward is not None for s in group):  # what build_train_batch kept
@@ -186,6 +192,11 @@ def train(cfg: RunConfig) -> RunResult | None:
     steps_done = 0
     try:
         weight_sync = build_weight_sync(cfg, engines.receiver if engines is not None else None)
+        guard = StepGuard(
+            max_drop_frac=cfg.rollout.max_drop_frac,
+            no_signal_steps=cfg.run.no_signal_steps,
+            no_signal_action=cfg.run.no_signal_action,
+        )
         eval_on = cfg.run.eval_every > 0 and cfg.eval.mode != "none"
         if eval_on and engines is not None:
             evaluator = build_evaluator(cfg, engines, source)
@@ -220,13 +231,13 @@ def train(cfg: RunConfig) -> RunResult | None:
                 payload: Any = None
                 if source is not None:
                     try:
-                        payload = ("ok", _rollout_payload(source, step, dump))
+                        payload = ("ok", _rollout_payload(source, step, dump, guard))
                     except BaseException as e:
                         _broadcast(("error", repr(e)), rank, world)
                         raise
                 payload = _broadcast(payload, rank, world)
                 if payload[0] == "error":
-                    raise RuntimeError(f"rank 0 failed in the rollout: {payload[1]}")
+                    raise RunStoppedError(f"rank 0 stopped in the rollout: {payload[1]}")
                 batch, record = payload[1]
                 t0 = time.perf_counter()
                 train_metrics = trainer.train_step(batch) if batch is not None else {}
