@@ -81,7 +81,7 @@ def test_train_against_an_http_engine(tiny_model: Path, tmp_path: Path) -> None:
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2]
         assert all(r["update/verified"] for r in rows)
-        assert all(r["update_bytes"] > 0 for r in rows)
+        assert all(r["update/bytes"] > 0 for r in rows)
         # The server now serves the trained weights under the last version.
         with urllib.request.urlopen(f"{url}/get_server_info", timeout=30) as resp:
             info = json.loads(resp.read())
