@@ -8,22 +8,18 @@ rollout's on some tokens.
 
 from __future__ import annotations
 
-import random
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from _megatron_testlib import VOCAB, save_tiny, tiny_moe_config
+from _megatron_testlib import save_tiny, tiny_moe_config
+from _r3_testlib import LAYERS, TOP_K, make_drifted, rollout_batch
 
 from miles_trainer import FSDPTrainer, TrainBatch, TrainerConfig
 from miles_trainer.batch import make_micro_batch
 from miles_trainer.r3 import RoutingReplay, install_hf
-
-TOP_K = 2
-LAYERS = 2
 
 
 @pytest.fixture(scope="module")
@@ -33,62 +29,7 @@ def rollout_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def drifted_dir(rollout_dir: Path) -> Path:
-    """The rollout weights plus 2% Gaussian noise per tensor (the trainer a few steps on)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(rollout_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.02 * p.std())
-    out = rollout_dir.parent / "drifted"
-    model.save_pretrained(out)
-    for f in rollout_dir.glob("tokenizer*"):
-        shutil.copy(f, out / f.name)
-    return out
-
-
-def rollout(model_dir: Path, tokens: list[list[int]], lengths: list[int]) -> tuple[Any, Any]:
-    """Per sample: response logprobs and routed experts ``[len - 1, layers, top_k]`` (int32
-    numpy, like SGLang's) of a teacher-forced HF forward."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    logps, routed = [], []
-    with torch.no_grad():
-        for toks, r in zip(tokens, lengths):
-            out = model(input_ids=torch.tensor([toks]), output_router_logits=True)
-            lp = torch.log_softmax(out.logits[0].float(), -1)
-            n = len(toks)
-            logps.append([lp[n - r - 1 + j, toks[n - r + j]].item() for j in range(r)])
-            scores_NTE = torch.softmax(torch.stack(out.router_logits).float(), -1)
-            top_NTK = torch.topk(scores_NTE, TOP_K, dim=-1).indices
-            routed.append(top_NTK.permute(1, 0, 2)[:-1].to(torch.int32).numpy())
-    return logps, routed
-
-
-def samples(n: int = 8, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(seed)
-    tokens, lengths = [], []
-    for _ in range(n):
-        p, r = rng.randint(2, 6), rng.randint(4, 12)
-        tokens.append([rng.randrange(VOCAB) for _ in range(p + r)])
-        lengths.append(r)
-    return tokens, lengths
-
-
-def rollout_batch(model_dir: Path, *, with_routing: bool = True) -> TrainBatch:
-    tokens, lengths = samples()
-    logps, routed = rollout(model_dir, tokens, lengths)
-    return TrainBatch(
-        tokens=tokens,
-        response_lengths=lengths,
-        loss_masks=[[1] * r for r in lengths],
-        rollout_logprobs=logps,
-        rewards=[float(i % 2) for i in range(len(tokens))],
-        group_ids=[i // 4 for i in range(len(tokens))],
-        routed_experts=routed if with_routing else None,
-    )
+    return make_drifted(rollout_dir, rollout_dir.parent / "drifted")
 
 
 def test_batch_carries_routed_experts_aligned() -> None:
@@ -123,8 +64,13 @@ def test_batch_carries_routed_experts_aligned() -> None:
         TrainBatch(**{**_fields(full), "routed_experts": [rows[0], rows[0][:1]]})
     with pytest.raises(ValueError, match=r"sample 1.*\[num_layers, top_k\] = \[2, 1\]"):
         TrainBatch(**{**_fields(full), "routed_experts": [rows[0], rows[1][:, :, :1]]})
-    with pytest.raises(ValueError, match="negative expert id"):
-        TrainBatch(**{**_fields(full), "routed_experts": [rows[0] * 0 - 1, None]})
+    with pytest.raises(ValueError, match="an expert id below -1"):
+        TrainBatch(**{**_fields(full), "routed_experts": [rows[0] * 0 - 2, None]})
+    half = rows[0].copy()
+    half[0, 0, 0] = -1
+    with pytest.raises(ValueError, match="a row with both expert ids and -1"):
+        TrainBatch(**{**_fields(full), "routed_experts": [half, None]})
+    TrainBatch(**{**_fields(full), "routed_experts": [rows[0] * 0 - 1, None]})  # dense layers
 
 
 def _fields(batch: TrainBatch) -> dict[str, Any]:

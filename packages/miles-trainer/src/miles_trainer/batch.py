@@ -54,8 +54,9 @@ class TrainBatch:
         routed_experts: R3 (rollout routing replay), per sample the MoE experts the rollout
             engine routed each token to: an integer array (numpy, torch or nested lists)
             ``[len(tokens) - 1, num_layers, top_k]`` (SGLang's layout: row t is token t; the
-            last token never went through a forward) or ``[len(tokens), ...]``; None for a
-            sample without a record, or None for the whole batch. Stored as int32 tensors.
+            last token never went through a forward) or ``[len(tokens), ...]``; a row of -1
+            has no record (a dense layer among MoE ones); None for a sample without a record,
+            or None for the whole batch. Stored as int32 tensors.
 
     Raises:
         ValueError: on any length mismatch or bad value, naming the sample.
@@ -234,8 +235,15 @@ def _as_routed(batch: TrainBatch, i: int) -> torch.Tensor | None:
             f"{who}: routed_experts[{i}] has shape {tuple(t.shape)}; it must be [len(tokens) - 1 "
             f"= {n - 1} (or len(tokens)), num_layers, top_k]"
         )
-    if t.numel() and int(t.min()) < 0:
-        raise ValueError(f"{who}: routed_experts[{i}] holds a negative expert id")
+    if t.numel():
+        if int(t.min()) < -1:
+            raise ValueError(f"{who}: routed_experts[{i}] holds an expert id below -1")
+        none_TN = t < 0
+        if not torch.equal(none_TN.any(-1), none_TN.all(-1)):
+            raise ValueError(
+                f"{who}: routed_experts[{i}] has a row with both expert ids and -1; a row is "
+                "top_k ids, or all -1 (no record: a dense layer)"
+            )
     return t.to(torch.int32)
 
 

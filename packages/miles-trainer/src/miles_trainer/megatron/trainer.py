@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,9 +25,17 @@ from miles_trainer._hf_dir import check_model_dir, write_hf_dir
 from miles_trainer._metrics import StepMetrics, token_mean, version_metrics
 from miles_trainer.advantages import batch_advantages, shape_and_filter
 from miles_trainer.batch import MicroBatch, TrainBatch, make_micro_batch, plan_micro_batches
+from miles_trainer.checkpoint import (
+    CheckpointInfo,
+    check_compatible,
+    load_common,
+    read_meta,
+    set_deterministic,
+    write_checkpoint,
+)
 from miles_trainer.config import TrainerConfig
 from miles_trainer.losses import MAX_SUFFIX, MIN_SUFFIX
-from miles_trainer.megatron import cpu_compat
+from miles_trainer.megatron import cpu_compat, train_state
 from miles_trainer.megatron.checkpoint import iter_hf_tensors
 from miles_trainer.megatron.convert import ModelDims, stack_experts, te_name, unstack_experts
 from miles_trainer.megatron.logprobs import vocab_parallel_response_logprobs
@@ -39,6 +48,7 @@ from miles_trainer.megatron.parallelize import (
     rank_coords,
     wrap_ddp,
 )
+from miles_trainer.megatron.r3 import MegatronRouting
 from miles_trainer.trainer import NonFiniteError
 
 __all__ = ["MegatronTrainer"]
@@ -143,6 +153,8 @@ class MegatronTrainer:
         mcfg = config.megatron
         check_model_dir(config.model_path)
         self._rank, self._world, self._device = init_distributed()
+        if config.deterministic:
+            set_deterministic(self._device)
         torch.manual_seed(config.seed)
         self._dp = init_model_parallel(mcfg, self._world, config.seed)
         self._par = rank_coords(mcfg)
@@ -168,6 +180,10 @@ class MegatronTrainer:
             load_hf_weights(ref.module, ref_full, self._dims, self._par, te=self._te)
             ref.module.requires_grad_(False)
             self._ref = ref.module.eval()
+        # R3 (megatron/r3.py): routers of the policy and the reference replay batch records.
+        self._r3 = MegatronRouting.build(
+            config, hf_config, [self._module, self._ref], tp_rank=self._par.tp_rank
+        )
         self._module.eval()  # dropout is off anyway; eval keeps HF-equal numerics explicit
         self._optimizer = build_optimizer(config, [self._ddp])
         if config.dtype == "float16":
@@ -391,7 +407,8 @@ class MegatronTrainer:
     def _forward_step(self, handler: Any, data_iterator: Iterator[_Micro], model: Any) -> Any:
         micro = next(data_iterator)
         ids_BL, pos_BL, mask_11LL = self._model_inputs(micro.mb, micro.shape)
-        with cpu_compat.outside_cpu_scope():
+        routing = self._r3.forward(micro.mb, tuple(ids_BL.shape), real=micro.real)
+        with cpu_compat.outside_cpu_scope(), routing:
             out = model(ids_BL, pos_BL, mask_11LL)
         return out, partial(handler, micro)
 
@@ -506,6 +523,7 @@ class MegatronTrainer:
                 "every optimizer step needs at least one sample"
             )
         self._check_tokens(batch)
+        self._r3.check(batch)
         self._check_same_batch(batch)
         prepared, out = shape_and_filter(batch, cfg.advantage)
         if prepared is None:  # the group filter dropped everything: no update this step
@@ -583,7 +601,8 @@ class MegatronTrainer:
             with cpu_compat.quiet_megatron():
                 self._ddp.zero_grad_buffer()
                 self._optimizer.zero_grad()
-            self._run(self._ddp, group, handler, forward_only=False)
+            with self._r3.counting():
+                self._run(self._ddp, group, handler, forward_only=False)
             local = metrics.local_sum("loss", k) if metrics is not None else 0.0
             norm = grad_norm(self._optimizer)
             grad_norms.append(norm)
@@ -599,6 +618,7 @@ class MegatronTrainer:
                 skipped += 1
 
         out.update(self._reduce_metrics(metrics))
+        out.update(self._r3.metrics(self._device))
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["lr"] = float(self._optimizer.param_groups[0]["lr"])
         out["samples"] = float(len(batch))
@@ -674,6 +694,62 @@ class MegatronTrainer:
             raise error
         if not ok:
             raise RuntimeError(f"rank 0 failed to write the checkpoint {os.fspath(path)!r}")
+
+    def save_checkpoint(
+        self, path: str | os.PathLike[str], *, step: int, client_state: Any = None
+    ) -> None:
+        """Write the whole training state to ``path`` atomically (``FSDPTrainer``'s contract;
+        layout in `miles_trainer.checkpoint`, files in ``megatron/train_state.py``). Collective.
+        """
+        with_optimizer = train_state.has_state(self._optimizer)
+        write_checkpoint(
+            path,
+            device=self._device,
+            backend="megatron",
+            step=step,
+            hf_config=self._hf_config,
+            source_dir=self.config.model_path,
+            layout=self._layout(),
+            extra_meta={"dtype": self.config.dtype, "optimizer_state": with_optimizer},
+            client_state=client_state,
+            write_state=lambda tmp: train_state.save_rank(
+                tmp / train_state.SUBDIR,
+                rank=self._rank,
+                dp_rank=self._dp_rank,
+                layout=self._par,
+                module=self._module,
+                optimizer=self._optimizer,
+                with_optimizer=with_optimizer,
+            ),
+        )
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> CheckpointInfo:
+        """Restore what `save_checkpoint` wrote (same model and layout). Collective.
+
+        Raises:
+            CheckpointError: a torn checkpoint, or one of another backend, model or layout.
+        """
+        meta = read_meta(path)
+        check_compatible(
+            meta, path, backend="megatron", hf_config=self._hf_config, layout=self._layout()
+        )
+        train_state.load_rank(
+            Path(path) / train_state.SUBDIR,
+            rank=self._rank,
+            layout=self._par,
+            module=self._module,
+            optimizer=self._optimizer,
+            with_optimizer=bool(meta["optimizer_state"]),
+        )
+        return load_common(path, meta)
+
+    def _layout(self) -> dict[str, Any]:
+        m = self.config.megatron
+        names = ("tp", "pp", "ep", "etp", "distributed_optimizer", "transformer_impl")
+        layout: dict[str, Any] = {n: getattr(m, n) for n in names}
+        layout["make_vocab_size_divisible_by"] = m.make_vocab_size_divisible_by
+        layout["dp"] = self._dp
+        return layout
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's model shards and optimizer state for resuming (Megatron names).
