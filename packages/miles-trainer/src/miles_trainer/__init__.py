@@ -1,8 +1,9 @@
 """miles-trainer: the RL loss hub, advantage estimators, and policy trainers (FSDP2, Megatron).
 
 Public surface: the configs (`TrainerConfig` and its nested parts), `TrainBatch`, the `Trainer`
-protocol with `FSDPTrainer`, the contexts user hooks receive (`LossContext`,
-`AdvantageContext`, `GroupView`), and the loss and advantage functions. Everything else lives
+protocol with `FSDPTrainer`, checkpoints (`CheckpointInfo`, `CheckpointError`, `export_hf`),
+the contexts user hooks receive (`LossContext`, `AdvantageContext`, `GroupView`), and the loss
+and advantage functions. Everything else lives
 in the submodules (``miles_trainer.losses``, ``miles_trainer.advantages``, ...).
 ``TrainerConfig.build()`` makes the trainer of ``TrainerConfig.backend``. Importing the package
 does not initialise ``torch.distributed`` or CUDA; constructing a trainer does.
@@ -18,6 +19,7 @@ from miles_trainer.advantages import (
     rloo_advantages,
 )
 from miles_trainer.batch import TrainBatch
+from miles_trainer.checkpoint import CheckpointError, CheckpointInfo, export_hf
 from miles_trainer.config import (
     CriticConfig,
     OffloadConfig,
@@ -34,6 +36,8 @@ from miles_trainer.version import __version__
 __all__ = [
     "AdvantageConfig",
     "AdvantageContext",
+    "CheckpointError",
+    "CheckpointInfo",
     "CriticConfig",
     "FSDPConfig",
     "FSDPTrainer",
@@ -50,6 +54,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "__version__",
+    "export_hf",
     "grpo_advantages",
     "kl_estimate",
     "policy_loss",

@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from miles_trainer.batch import TrainBatch
+from miles_trainer.checkpoint import CheckpointInfo
 
 __all__ = ["NonFiniteError", "Trainer"]
 
@@ -54,6 +55,19 @@ class Trainer(Protocol):
 
     def save_hf_checkpoint(self, path: str | os.PathLike[str], *, dtype: str | None = None) -> None:
         """Write an HF model directory of the policy (rank 0 writes; collective)."""
+        ...
+
+    def save_checkpoint(
+        self, path: str | os.PathLike[str], *, step: int, client_state: Any = None
+    ) -> None:
+        """Write the whole training state (model, optimizer, critic, every rank's RNG states,
+        ``step``, rank 0's ``client_state``) to the directory ``path``, atomically."""
+        ...
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> CheckpointInfo:
+        """Restore what `save_checkpoint` wrote (same model and layout); return its step and
+        client state. Raises `miles_trainer.checkpoint.CheckpointError` for a torn or foreign
+        checkpoint."""
         ...
 
     def state_dict(self) -> dict[str, Any]:
