@@ -22,6 +22,7 @@ engine checks it per weight shape at start-up and gives up the claim if it fails
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,6 +75,13 @@ def check_supported(config: Any) -> None:
         )
 
 
+Served = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class _Layer:
     """The tensors of one decoder layer, in the layout the fast forward wants."""
 
@@ -101,19 +109,20 @@ class _Layer:
         "wqkv_p",
     )
 
-    def __init__(self, layer: Any, pack: _Packer) -> None:
+    def __init__(self, layer: Any, pack: _Packer, served: Served = _same) -> None:
         attn, mlp = layer.self_attn, layer.mlp
+        w = served  # the tensor computed with for an HF weight (see quantized.py)
         self.in_w: torch.Tensor = layer.input_layernorm.weight
         self.in_eps: float = layer.input_layernorm.variance_epsilon
         self.post_w: torch.Tensor = layer.post_attention_layernorm.weight
         self.post_eps: float = layer.post_attention_layernorm.variance_epsilon
-        self.wqkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        self.wqkv = torch.cat([w(attn.q_proj.weight), w(attn.k_proj.weight), w(attn.v_proj.weight)])
         self.bqkv = (
             torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
             if attn.q_proj.bias is not None
             else None
         )
-        self.o: torch.Tensor = attn.o_proj.weight
+        self.o: torch.Tensor = w(attn.o_proj.weight)
         self.bo: torch.Tensor | None = attn.o_proj.bias
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
@@ -134,18 +143,18 @@ class _Layer:
         # Pre-packed copies for decode (None: use the plain weight).
         self.wqkv_p = pack(self.wqkv)
         self.o_p = pack(self.o)
-        self.moe: MoeWeights | None = MoeWeights(mlp) if is_moe_layer(mlp) else None
+        self.moe: MoeWeights | None = MoeWeights(mlp, w) if is_moe_layer(mlp) else None
         if self.moe is not None:
             self.gate_up = self.down = torch.empty(0)
             self.gate_up_b = self.down_b = self.gate_up_p = self.down_p = None
             return
-        self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.gate_up = torch.cat([w(mlp.gate_proj.weight), w(mlp.up_proj.weight)])
         self.gate_up_b = (
             torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
             if mlp.gate_proj.bias is not None
             else None
         )
-        self.down = mlp.down_proj.weight
+        self.down = w(mlp.down_proj.weight)
         self.down_b = mlp.down_proj.bias
         self.gate_up_p = pack(self.gate_up)
         self.down_p = pack(self.down)
@@ -256,8 +265,11 @@ class CausalLMRunner:
         max_batch: int,
         context_length: int,
         kernel_backend: str = "auto",
+        served: Served = _same,
     ) -> None:
-        """Args: the HF model, cache limits, and the backend of the bf16 kernels.
+        """Args: the HF model, cache limits, the backend of the bf16 kernels, and ``served``:
+        the tensor to compute with for an HF weight (a dequantized copy under a low-precision
+        ``weight_format``; see ``quantized.py``; default: the weight itself).
 
         ``kernel_backend``: ``"auto"`` (the native kernels of ``miles_rollout._ext`` for bf16
         when they are built, else PyTorch), ``"native"`` (required: ``ValueError`` if they
@@ -272,6 +284,7 @@ class CausalLMRunner:
             )
         cfg = model.config
         self.model = model
+        self._served = served
         self.dtype: torch.dtype = next(model.parameters()).dtype
         # Low precision: transformers' eager attention maths (the trainer's for bf16 on CPU),
         # so that rollout and training compute the same logprobs; float32 keeps SDPA.
@@ -374,7 +387,7 @@ class CausalLMRunner:
             self._norm_eps: float = inner.norm.variance_epsilon
             self._lm_head: torch.Tensor = self.model.get_output_embeddings().weight
             self._lm_head_p = self._pack(self._lm_head)
-            self._layers = [_Layer(layer, self._pack) for layer in inner.layers]
+            self._layers = [_Layer(layer, self._pack, self._served) for layer in inner.layers]
 
     def _check_invariance(self) -> None:
         """Give up batch invariance if a weight shape's GEMM rows depend on the row count.

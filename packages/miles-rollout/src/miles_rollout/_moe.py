@@ -31,12 +31,16 @@ def is_moe_layer(mlp: Any) -> bool:
     return hasattr(mlp, "experts") and hasattr(mlp, "gate")
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class MoeWeights:
     """The tensors of one MoE block (views of the HF parameters, so updates are seen)."""
 
     __slots__ = ("down", "gate_up", "norm_topk", "router", "top_k")
 
-    def __init__(self, mlp: Any) -> None:
+    def __init__(self, mlp: Any, served: Callable[[torch.Tensor], torch.Tensor] = _same) -> None:
         experts = mlp.experts
         if not (hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj")):
             raise ValueError(
@@ -44,8 +48,9 @@ class MoeWeights:
                 "(mlp.experts.gate_up_proj / down_proj); serve it with SGLang"
             )
         self.router: torch.Tensor = mlp.gate.weight  # [E, H]
-        self.gate_up: torch.Tensor = experts.gate_up_proj  # [E, 2I, H]
-        self.down: torch.Tensor = experts.down_proj  # [E, H, I]
+        # `served`: the tensor computed with (a dequantized copy under a low-precision format).
+        self.gate_up: torch.Tensor = served(experts.gate_up_proj)  # [E, 2I, H]
+        self.down: torch.Tensor = served(experts.down_proj)  # [E, H, I]
         self.top_k: int = int(mlp.gate.top_k)
         self.norm_topk: bool = bool(mlp.gate.norm_topk_prob)
 

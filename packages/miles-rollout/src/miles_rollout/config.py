@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,6 +61,21 @@ class EngineConfig:
         prefix_cache_tokens: the prefix cache's capacity in tokens. ``None``: as many as
             512 MiB of keys and values (all layers, the engine dtype) hold, at least twice
             the context length. Memory is taken as the cache fills, not up front.
+        weight_format: the precision the weights are served in (``miles_rollout.quantized``):
+            ``None`` (the engine dtype), ``"bf16"`` / ``"fp32"`` (unquantized; must agree
+            with ``dtype``), or a miles-quant format: ``"fp8_block128"``, ``"mxfp8"``,
+            ``"nvfp4"``, ``"mxfp4"``, ``"int4_g32"``, ``"int4_g128"``. The engine quantizes
+            what it receives at every weight update and computes with the dequantized values
+            in ``dtype`` (weight-only quantization). A format or shape it cannot serve is a
+            ``ValueError`` at build time.
+        keep_bf16: parameter patterns served unquantized, in ``dtype`` (globs on a parameter
+            or module name, or ``"re:"`` + a regex, as in miles-quant's exporter). Embeddings,
+            ``lm_head``, norms, MoE routers and biases are always kept. A pattern that matches
+            no parameter is a ``ValueError``.
+        keep_first_layers: serve the first N transformer layers unquantized.
+        keep_last_layers: serve the last N transformer layers unquantized.
+        quantize_only: if set, quantize only parameters matching one of these patterns (e.g.
+            ``["*.experts.*"]`` for W4A16 experts next to INT4 QAT).
     """
 
     model_path: str
@@ -76,6 +91,11 @@ class EngineConfig:
     prefix_cache_tokens: int | None = None
     session_reservation: bool = True
     session_ttl_s: float = 300.0
+    weight_format: str | None = None
+    keep_bf16: list[str] = field(default_factory=list)
+    keep_first_layers: int = 0
+    keep_last_layers: int = 0
+    quantize_only: list[str] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -101,11 +121,48 @@ class EngineConfig:
             )
         if not self.session_ttl_s > 0:
             raise ValueError(f"session_ttl_s must be positive, got {self.session_ttl_s}")
+        self._check_weight_format()
         if self.kernel_backend not in ("auto", "native", "torch"):
             raise ValueError(
                 "kernel_backend must be one of ['auto', 'native', 'torch'], got "
                 f"{self.kernel_backend!r}"
             )
+
+    def _check_weight_format(self) -> None:
+        from miles_rollout.quantized import resolve_format
+
+        fmt = resolve_format(self.weight_format, self.dtype)
+        for name in ("keep_first_layers", "keep_last_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        for name in ("keep_bf16", "quantize_only"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ValueError(f"{name} takes a list of patterns, got the string {value!r}")
+            if value is not None:
+                setattr(self, name, list(value))
+        if self.quantize_only is not None and not self.quantize_only:
+            raise ValueError("quantize_only must name at least one pattern (or be None)")
+        layer_flags = bool(
+            self.keep_bf16
+            or self.keep_first_layers
+            or self.keep_last_layers
+            or self.quantize_only is not None
+        )
+        if fmt is None and layer_flags:
+            raise ValueError(
+                "keep_bf16 / keep_first_layers / keep_last_layers / quantize_only choose which "
+                f"weights stay unquantized, but weight_format is {self.weight_format!r} "
+                "(nothing is quantized); set a quantized weight_format or drop them"
+            )
+
+    @property
+    def quant_format(self) -> str | None:
+        """The miles-quant format served (``None``: unquantized)."""
+        from miles_rollout.quantized import resolve_format
+
+        return resolve_format(self.weight_format, self.dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -39,6 +39,7 @@ from miles_rollout._weights import (
 )
 from miles_rollout.config import EngineConfig
 from miles_rollout.outputs import GenerateOutput
+from miles_rollout.quantized import QuantizedWeights, quantized_digest, select_weights
 from miles_rollout.sampling_params import SamplingParams
 from miles_rollout.version import __version__
 from miles_transfer import tensor_digest
@@ -111,6 +112,8 @@ class Engine:
             self.tokenizer_path = self.model_path
         self.eos_token_ids = _eos_ids(model, self.tokenizer)
         self._params = param_table(model)
+        # Low-precision serving (EngineConfig.weight_format): quantized at every update.
+        self._quant = _build_quantized(model, config)
         # The names a full checksum reports: the module's own (fused experts stay fused).
         self._param_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         self._weight_version = config.weight_version
@@ -135,6 +138,7 @@ class Engine:
             max_batch=config.max_running_requests,
             context_length=ctx,
             kernel_backend=config.kernel_backend,
+            **({"served": self._quant.served} if self._quant is not None else {}),
         )
         cache: RadixCache | None = None
         if config.enable_prefix_cache:
@@ -480,6 +484,8 @@ class Engine:
             pairs = prepare_update(self._params, items, self.dtype)
             for dst, src in pairs:
                 dst.copy_(src)
+            if self._quant is not None:
+                self._quant.refresh(dst for dst, _ in pairs)
             for rank in self._ranks:
                 rank.runner.mark_weights_changed()
                 if flush_cache:
@@ -527,6 +533,39 @@ class Engine:
             raise ValueError(f"unknown parameter names: {unknown[:8]}")
         return self._scheduler.call(lambda: {n: tensor_digest(self._params[n]) for n in wanted})
 
+    @property
+    def quantized_weights(self) -> QuantizedWeights | None:
+        """The low-precision weights served (``None`` without a quantized ``weight_format``)."""
+        return self._quant
+
+    def served_weights_checksum(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """Digests of what is served: ``quantized.quantized_digest`` (codes, scales, global
+        scale) for quantized parameters, ``tensor_digest`` for the others (all of the module's
+        names when ``None``). Without a quantized format it equals :meth:`weights_checksum`;
+        a trainer checks it with ``miles_rollout.quantized.served_digests``.
+
+        Raises:
+            ValueError: unknown names.
+        """
+        if self._quant is None:
+            return self.weights_checksum(names)
+        quant = self._quant
+        wanted = list(self._param_names) if names is None else list(names)
+        unknown = [n for n in wanted if n not in self._params]
+        if unknown:
+            raise ValueError(f"unknown parameter names: {unknown[:8]}")
+        inside = set(quant.names)
+
+        def digests() -> dict[str, str]:
+            return {
+                n: quantized_digest(quant.quantized(n))
+                if n in inside
+                else tensor_digest(self._params[n])
+                for n in wanted
+            }
+
+        return self._scheduler.call(digests)
+
     # ---- info --------------------------------------------------------------------------------
 
     def model_info(self) -> dict[str, Any]:
@@ -546,6 +585,7 @@ class Engine:
             "vocab_size": self.vocab_size,
             "context_length": self.context_length,
             "dtype": self.config.dtype,
+            "weight_format": self._served_format(),
             "eos_token_ids": sorted(self.eos_token_ids),
         }
 
@@ -560,6 +600,8 @@ class Engine:
             "context_length": self.context_length,
             "max_running_requests": self.config.max_running_requests,
             "dtype": self.config.dtype,
+            "weight_format": self._served_format(),
+            "quantized_params": len(self._quant.names) if self._quant is not None else 0,
             "random_seed": self.config.seed,
             "disable_radix_cache": not self.config.enable_prefix_cache,
             "batch_invariant": all(r.runner.batch_invariant for r in self._ranks),
@@ -568,6 +610,9 @@ class Engine:
             "engine": "miles-rollout",
             "internal_states": [self._rank_state(r) for r in self._ranks],
         }
+
+    def _served_format(self) -> str:
+        return self._quant.format if self._quant is not None else self.config.dtype
 
     def _rank_state(self, rank: _Rank) -> dict[str, Any]:
         sched = rank.scheduler
@@ -629,6 +674,38 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _build_quantized(model: Any, config: EngineConfig) -> QuantizedWeights | None:
+    fmt = config.quant_format
+    if fmt is None:
+        return None
+    try:
+        import miles_quant  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"engine.weight_format {config.weight_format!r} needs miles-quant: "
+            "pip install 'miles-rollout[quant]' (or pip install miles-quant)"
+        ) from e
+    params = dict(model.named_parameters(remove_duplicate=False))
+    selection = select_weights(
+        params,
+        fmt,
+        keep_bf16=config.keep_bf16,
+        keep_first_layers=config.keep_first_layers,
+        keep_last_layers=config.keep_last_layers,
+        quantize_only=config.quantize_only,
+        num_layers=int(getattr(model.config, "num_hidden_layers", 0) or 0),
+    )
+    quant = QuantizedWeights(params, selection, config.torch_dtype)
+    logger.info(
+        "serving %d weights in %s (%d kept in %s)",
+        len(selection.quantized),
+        fmt,
+        len(selection.kept),
+        config.dtype,
+    )
+    return quant
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
