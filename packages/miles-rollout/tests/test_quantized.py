@@ -245,3 +245,60 @@ def test_bf16_and_fp32_formats_serve_unquantized(model_dir: Path) -> None:
     with EngineConfig(model_path=str(model_dir), weight_format="fp32").build() as engine:
         assert engine.quantized_weights is None
         assert engine.served_weights_checksum() == engine.weights_checksum()
+
+
+def test_sglang_backend_sets_the_quantization_flags_of_each_format(tmp_path: Path) -> None:
+    from miles_rollout.fleet import FleetConfig
+    from miles_rollout.fleet.engines import engine_command
+    from miles_rollout.fleet.sglang import quantization_args, sglang_argv
+
+    expected = {
+        "fp8_block128": "fp8",
+        "mxfp8": "mxfp8",
+        "nvfp4": "modelopt_fp4",
+        "mxfp4": "mxfp4",
+        "int4_g32": "compressed-tensors",
+        "int4_g128": "compressed-tensors",
+    }
+    for fmt, method in expected.items():
+        argv = sglang_argv(
+            index=0,
+            model_path="/m",
+            host="127.0.0.1",
+            port=1,
+            dp_size=1,
+            sglang_args={"tp_size": 2},
+            weight_format=fmt,
+        )
+        flags = argv[argv.index("--port") + 2 :]
+        assert flags == ["--dtype", "bfloat16", "--quantization", method, "--tp-size", "2"], fmt
+    assert quantization_args("bf16") == {"dtype": "bfloat16"}
+    assert quantization_args(None) == {}
+    with pytest.raises(ValueError, match="no SGLang quantization"):
+        quantization_args("int8")
+    with pytest.raises(ValueError, match=r"quantization='fp8'.*drop one"):
+        sglang_argv(
+            index=0,
+            model_path="/m",
+            host="h",
+            port=1,
+            dp_size=1,
+            sglang_args={"quantization": "awq"},
+            weight_format="fp8_block128",
+        )
+    # The fleet passes its weight_format to either backend.
+    cfg = FleetConfig(model_path=str(tmp_path), backend="sglang", weight_format="nvfp4")
+    assert "modelopt_fp4" in engine_command(cfg, 0).argv
+    embedded = FleetConfig(model_path=str(tmp_path), weight_format="nvfp4")
+    argv = engine_command(embedded, 0).argv
+    assert argv[argv.index("--weight-format") + 1] == "nvfp4"
+
+
+def test_serve_command_line_takes_the_weight_format(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from miles_rollout.cli import main
+
+    argv = ["serve", "--model-path", str(model_dir), "--weight-format", "nvfp4"]
+    assert main([*argv, "--keep-bf16", "*.nothing_here"]) == 2
+    assert "keep_bf16 pattern '*.nothing_here' matches no parameter" in capsys.readouterr().err

@@ -33,6 +33,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks in this server")
     s.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
     s.add_argument("--prefix-cache-tokens", type=int, default=None)
+    s.add_argument(
+        "--weight-format",
+        default=None,
+        help="serve quantized weights: fp8_block128, mxfp8, nvfp4, mxfp4, int4_g32, int4_g128",
+    )
+    s.add_argument("--keep-bf16", action="append", default=[], help="pattern kept unquantized")
+    s.add_argument("--keep-first-layers", type=int, default=0)
+    s.add_argument("--keep-last-layers", type=int, default=0)
     from miles_rollout.fleet.cli import add_parser as add_fleet_parser
 
     add_fleet_parser(sub)
@@ -82,6 +90,10 @@ def main(argv: list[str] | None = None, *, stop: threading.Event | None = None) 
             dp_size=args.dp_size,
             enable_prefix_cache=not args.disable_radix_cache,
             prefix_cache_tokens=args.prefix_cache_tokens,
+            weight_format=args.weight_format,
+            keep_bf16=args.keep_bf16,
+            keep_first_layers=args.keep_first_layers,
+            keep_last_layers=args.keep_last_layers,
         )
         engine = config.build()
     except ValueError as exc:

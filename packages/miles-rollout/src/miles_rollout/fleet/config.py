@@ -55,6 +55,9 @@ class FleetConfig:
         stop_timeout_s: how long a process gets after SIGTERM before SIGKILL.
         monitor_interval_s: how often the fleet checks its processes and the router's
             counters.
+        weight_format: the precision every engine serves (``EngineConfig.weight_format``):
+            ``--weight-format`` of the embedded backend, SGLang's ``--quantization`` /
+            ``--dtype`` for the sglang backend (``fleet.sglang.quantization_args``).
     """
 
     model_path: str
@@ -75,6 +78,7 @@ class FleetConfig:
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 15.0
     monitor_interval_s: float = 0.5
+    weight_format: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:

@@ -63,6 +63,8 @@ def engine_command(cfg: FleetConfig, index: int) -> EngineCommand:
             argv += ["--dp-size", str(cfg.dp_size)]
         args: dict[str, Any] = dict(cfg.engine_args)
         args["seed"] = int(args.get("seed", 0)) + index  # engines draw different streams
+        if cfg.weight_format is not None:
+            args.setdefault("weight_format", cfg.weight_format)
         return EngineCommand(argv + cli_flags(args), 0)
     port = free_port(cfg.host)
     if cfg.backend == "sglang":
@@ -74,6 +76,7 @@ def engine_command(cfg: FleetConfig, index: int) -> EngineCommand:
             dp_size=cfg.dp_size,
             sglang_args=cfg.sglang_args,
             python=cfg.sglang_python,
+            weight_format=cfg.weight_format,
         )
         return EngineCommand(argv, port)
     assert cfg.command is not None

@@ -13,7 +13,32 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["cli_flags", "gpus_per_engine", "parse_passthrough", "sglang_argv"]
+__all__ = [
+    "SGLANG_QUANTIZATION",
+    "cli_flags",
+    "gpus_per_engine",
+    "parse_passthrough",
+    "quantization_args",
+    "sglang_argv",
+]
+
+# EngineConfig.weight_format -> SGLang's --quantization. SGLang quantizes a BF16 checkpoint
+# online for fp8 and mxfp8 ("MOE + linear online quantization" in its server_args); nvfp4,
+# mxfp4 and int4 are loaded from a checkpoint in the layout miles-quant exports
+# (miles_quant.checkpoint.export_checkpoint: ModelOpt NVFP4, gpt-oss MXFP4 - MoE only in
+# SGLang -, compressed-tensors W4A16), whose ignore list carries the layers kept in BF16
+# (export with the engine's keep_bf16 / keep_first_layers / keep_last_layers). A DeepSeek FP8
+# export's weight_block_size gives fp8_block128's 128x128 blocks.
+SGLANG_QUANTIZATION: dict[str, str] = {
+    "fp8_block128": "fp8",
+    "mxfp8": "mxfp8",
+    "mxfp8_e4m3": "mxfp8",
+    "nvfp4": "modelopt_fp4",
+    "mxfp4": "mxfp4",
+    "int4_g32": "compressed-tensors",
+    "int4_g128": "compressed-tensors",
+}
+_PLAIN_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def cli_flags(args: Mapping[str, Any]) -> list[str]:
@@ -74,6 +99,25 @@ def parse_passthrough(tokens: Sequence[str], prefix: str) -> dict[str, Any]:
     return out
 
 
+def quantization_args(weight_format: str | None) -> dict[str, Any]:
+    """SGLang flags (as ``sglang_args``) that serve ``weight_format`` (an
+    ``EngineConfig.weight_format``): ``{"dtype": ..., "quantization": ...}``; ``{}`` for None.
+
+    Raises:
+        ValueError: a format with no SGLang counterpart (naming the ones there are).
+    """
+    if weight_format is None:
+        return {}
+    if weight_format in _PLAIN_DTYPES:
+        return {"dtype": _PLAIN_DTYPES[weight_format]}
+    if weight_format not in SGLANG_QUANTIZATION:
+        raise ValueError(
+            f"weight_format {weight_format!r} has no SGLang quantization; choose one of "
+            f"{[*_PLAIN_DTYPES, *SGLANG_QUANTIZATION]}"
+        )
+    return {"dtype": "bfloat16", "quantization": SGLANG_QUANTIZATION[weight_format]}
+
+
 def gpus_per_engine(sglang_args: Mapping[str, Any], dp_size: int) -> int:
     """GPUs one SGLang engine occupies: ``tp_size`` with DP attention (the DP ranks share the
     TP group's GPUs), else ``tp_size * dp_size`` (SGLang's data-parallel controller starts
@@ -91,18 +135,30 @@ def sglang_argv(
     dp_size: int,
     sglang_args: Mapping[str, Any],
     python: str | None = None,
+    weight_format: str | None = None,
 ) -> list[str]:
     """The command line of engine ``index``.
 
     Engine ``i`` starts at GPU ``i * gpus_per_engine(...)`` (``--base-gpu-id``) unless
     ``sglang_args`` sets ``base_gpu_id`` (or the caller gives each engine its own
-    ``CUDA_VISIBLE_DEVICES``).
+    ``CUDA_VISIBLE_DEVICES``). ``weight_format`` adds :func:`quantization_args`.
+
+    Raises:
+        ValueError: ``sglang_args`` sets ``quantization`` or ``dtype`` differently from what
+            ``weight_format`` needs.
     """
+    quant = quantization_args(weight_format)
+    for key, value in quant.items():
+        if key in sglang_args and str(sglang_args[key]) != value:
+            raise ValueError(
+                f"sglang_args sets {key}={sglang_args[key]!r} but weight_format "
+                f"{weight_format!r} needs {key}={value!r}; drop one of them"
+            )
     argv = [python or sys.executable, "-m", "sglang.launch_server"]
     argv += ["--model-path", model_path, "--host", host, "--port", str(port)]
     if dp_size > 1:
         argv += ["--dp-size", str(dp_size)]
-    args = dict(sglang_args)
+    args = {**quant, **sglang_args}
     if "base_gpu_id" not in args and index > 0:
         args["base_gpu_id"] = index * gpus_per_engine(args, dp_size)
     return argv + cli_flags(args)
