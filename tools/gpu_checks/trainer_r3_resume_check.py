@@ -82,7 +82,8 @@ def rollout_batch(model_dir: Path, device: torch.device) -> Any:
 
     from miles_trainer import TrainBatch
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to(device).eval()
     rng = random.Random(0)
     tokens, lengths, logps, routed = [], [], [], []
     with torch.no_grad():
@@ -131,9 +132,9 @@ def check_backend(backend: str, dtype: str, rollout: Path, drifted: Path, tmp: P
     gap = [metrics[r3]["train_rollout_logprob_abs_diff"] for r3 in (False, True)]
     step(
         f"{tag}: R3 uses the rollout's experts and shrinks the gap",
-        metrics[1]["r3_expert_match"] == 1.0 and gap[1] < gap[0],
-        f"expert match {metrics[1]['r3_expert_match']:.4f}, router agreement "
-        f"{metrics[0]['r3_router_agreement']:.4f}, gap {gap[0]:.4g} -> {gap[1]:.4g}",
+        metrics[True]["r3_expert_match"] == 1.0 and gap[1] < gap[0],
+        f"expert match {metrics[True]['r3_expert_match']:.4f}, router agreement "
+        f"{metrics[False]['r3_router_agreement']:.4f}, gap {gap[0]:.4g} -> {gap[1]:.4g}",
     )
     cfg = dataclasses.replace(base, r3=True, num_minibatches=2, micro_batch_size=4)
     whole = cfg.build()
