@@ -235,3 +235,13 @@ def test_export_hf_equals_save_hf_checkpoint(
         load_file(tmp_path / "fp32" / "model.safetensors")["model.norm.weight"].dtype
         == torch.float32
     )
+
+
+def test_deterministic_turns_on_deterministic_kernels(tiny_model_dir: Path) -> None:
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        cfg = dataclasses.replace(scenario_config(str(tiny_model_dir)), deterministic=True)
+        FSDPTrainer(cfg).train_step(make_batch(5, seed=1))
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)
