@@ -142,12 +142,22 @@ class TaskSettings:
             list[PromptItem]`` and ``reward(response, label) -> float``.
         params: keyword arguments for the task.
         reward_fn: optional dotted path to ``fn(sample) -> float`` (sync or async) that
-            replaces the task's reward.
+            replaces the task's reward (built in: ``miles.rewards:math_equivalence``,
+            ``miles.rewards:exact_match``, ``miles.rewards:code_tests``).
+        reward_timeout_s: a reward call that takes longer fails its sample with the reason
+            (``null``: no deadline).
     """
 
     name: str = "arithmetic"
     params: dict[str, Any] = field(default_factory=dict)
     reward_fn: str | None = None
+    reward_timeout_s: float | None = 60.0
+
+    def __post_init__(self) -> None:
+        if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
+            raise ValueError(
+                f"task.reward_timeout_s must be > 0 (or null for none), got {self.reward_timeout_s}"
+            )
 
 
 TRANSFER_METHODS = ("push", "p2p", "delta")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from miles.rewards.timeout import with_timeout
 from miles.tasks import make_reward_fn, make_task
 from miles_rollout import Engine, LocalEngineClient, SGLangClient
 from miles_transfer import HTTPReceiver, WeightReceiver
@@ -29,7 +30,7 @@ class RolloutEngines:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.task = make_task(cfg.task)
-        self.reward_fn = make_reward_fn(cfg.task, self.task)
+        self.reward_fn = with_timeout(make_reward_fn(cfg.task, self.task), cfg.task.reward_timeout_s)
         self.engine: Engine | None = None
         self.receiver: WeightReceiver
         if cfg.rollout.engine_url is None:
