@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from miles_rollout.generate.single_turn import encode_prompt, single_turn_generate
+from miles_rollout.reward import REWARD_ERROR_POLICIES, RewardError, grade
 from miles_rollout.sample import Sample, SampleStatus
 from miles_rollout.types import GenerateContext, GenerateFn, PromptItem, RewardFn
 
@@ -29,6 +28,7 @@ if TYPE_CHECKING:
     from miles_rollout.sampling_params import SamplingParams
 
 __all__ = [
+    "RewardError",
     "RewardFn",
     "RolloutResult",
     "encode_prompt",
@@ -51,32 +51,18 @@ class RolloutResult:
         return [s for g in self.groups for s in g]
 
 
-async def grade(sample: Sample, reward_fn: RewardFn) -> None:
-    """Set ``sample.reward`` from ``reward_fn`` (sync or async).
-
-    Raises:
-        ValueError: the reward is not a finite number.
-    """
-    value = reward_fn(sample)
-    if inspect.isawaitable(value):
-        value = await value
-    reward = float(value)
-    if not math.isfinite(reward):
-        raise ValueError(f"reward function returned {reward!r} for sample {sample.group_index}")
-    sample.reward = reward
-
-
 async def _run_one(
     generate_fn: GenerateFn,
     ctx: GenerateContext,
     sample: Sample,
     reward_fn: RewardFn,
     semaphore: asyncio.Semaphore,
+    reward_errors: str,
 ) -> Sample:
     async with semaphore:
         sample = await generate_fn(ctx, sample)
     if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
-        await grade(sample, reward_fn)
+        await grade(sample, reward_fn, on_error=reward_errors)
     return sample
 
 
@@ -91,6 +77,7 @@ async def generate_rollout(
     max_concurrency: int = 256,
     generate_fn: GenerateFn | None = None,
     sessions_url: str | None = None,
+    reward_errors: str = "fail",
 ) -> RolloutResult:
     """Generate and grade ``n_samples_per_prompt`` samples for each prompt.
 
@@ -106,14 +93,24 @@ async def generate_rollout(
         sessions_url: an existing TITO session server for ``needs_sessions`` generate
             functions; by default one is started in this event loop for the rollout, in front
             of ``client``.
+        reward_errors: when ``reward_fn`` raises: ``"fail"`` (raise ``RewardError``),
+            ``"zero"`` (reward 0.0) or ``"drop"`` (the sample is ``FAILED``); see
+            ``miles_rollout.reward``. A non-number returned raises under every policy.
 
     Returns:
         The groups, in prompt order, each with ``n_samples_per_prompt`` samples.
+
+    Raises:
+        RewardError: see ``reward_errors``; the message names the function and the sample.
     """
     if n_samples_per_prompt < 1:
         raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    if reward_errors not in REWARD_ERROR_POLICIES:
+        raise ValueError(
+            f"reward_errors must be one of {list(REWARD_ERROR_POLICIES)}, got {reward_errors!r}"
+        )
     fn: GenerateFn = generate_fn if generate_fn is not None else single_turn_generate
     t0 = time.perf_counter()
     async with contextlib.AsyncExitStack() as stack:
@@ -144,7 +141,7 @@ async def generate_rollout(
                 for i in range(n_samples_per_prompt)
             ]
             groups.append(group)
-            tasks += [_run_one(fn, ctx, s, reward_fn, semaphore) for s in group]
+            tasks += [_run_one(fn, ctx, s, reward_fn, semaphore, reward_errors) for s in group]
         await asyncio.gather(*tasks)
     return RolloutResult(groups=groups, seconds=time.perf_counter() - t0)
 
@@ -160,4 +157,5 @@ def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "truncated_frac": sum(s.status is SampleStatus.TRUNCATED for s in samples) / n,
         "aborted_frac": sum(s.status is SampleStatus.ABORTED for s in samples) / n,
         "failed_frac": sum(s.status is SampleStatus.FAILED for s in samples) / n,
+        "reward_errors": float(sum("reward_error" in s.metadata for s in samples)),
     }
