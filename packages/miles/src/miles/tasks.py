@@ -8,7 +8,7 @@ from typing import Any
 
 from miles.config import TaskSettings
 from miles_rollout import Sample
-from miles_rollout.tasks import ArithmeticTask, GuessNumberTask
+from miles_rollout.tasks import ArithmeticTask, DatasetTask, GuessNumberTask, WordProblemTask
 from miles_rollout.types import PromptItem, Task  # the types live in miles-rollout now
 
 __all__ = ["PromptItem", "Task", "load_callable", "make_reward_fn", "make_task"]
@@ -17,6 +17,8 @@ __all__ = ["PromptItem", "Task", "load_callable", "make_reward_fn", "make_task"]
 BUILTIN_TASKS: dict[str, Callable[..., Task]] = {
     "arithmetic": ArithmeticTask,
     "guess_number": GuessNumberTask,  # multi-turn: pair it with the agent guess_number.play
+    "dataset": DatasetTask,  # JSONL / JSON / Parquet / datasets dir + template + label field
+    "word_problems": WordProblemTask,  # seeded multi-step word problems (small LMs)
 }
 
 
