@@ -7,7 +7,8 @@
 
 RECIPE is a built-in name (``arith-tiny``), a YAML file or a Python file with ``recipe()``.
 Mistakes in the input (missing checkpoint, malformed recipe, unknown key, prompt longer than
-the context) print one line naming the problem and exit with status 2.
+the context, a task or reward function that breaks its contract, an engine serving another
+model) print one line naming the problem and exit with status 2.
 """
 
 from __future__ import annotations
@@ -57,10 +58,23 @@ def _quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
 
 
+def recipe_description(name: str) -> str:
+    """The first line of a built-in recipe's docstring, without its ``name:`` prefix."""
+    import importlib
+
+    module = importlib.import_module(f"miles.recipes.{name.replace('-', '_')}")
+    first = (module.__doc__ or "").strip().splitlines()[:1]
+    line = first[0] if first else ""
+    return line.removeprefix(f"{name}:").strip()
+
+
 def _recipes(_: argparse.Namespace) -> int:
     from miles.config import builtin_recipes
 
-    print("\n".join(builtin_recipes()))
+    names = builtin_recipes()
+    width = max(map(len, names), default=0)
+    for name in names:
+        print(f"{name:<{width}}  {recipe_description(name)}".rstrip())
     return 0
 
 
@@ -122,6 +136,12 @@ def _quiet_third_party_noise() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _is_reward_error(e: BaseException) -> bool:
+    """A ``miles_rollout.reward.RewardError`` (never one when that module was not imported)."""
+    module = sys.modules.get("miles_rollout.reward")
+    return module is not None and isinstance(e, module.RewardError)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``miles`` console script."""
     args = build_parser().parse_args(argv)
@@ -137,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         from miles.guards import RunStoppedError
 
+        if _is_reward_error(e):  # the user's reward function: the message names it and the sample
+            print(f"miles: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
         if not isinstance(e, RunStoppedError):
             raise
         print(f"miles: stopped: {e}", file=sys.stderr)
