@@ -47,6 +47,7 @@ __all__ = [
 
 
 ROLLOUT_MODES = ("sync", "async")
+REWARD_ERROR_POLICIES = ("drop", "zero", "fail")  # as miles_rollout.reward's, without importing it
 _POLICIES = ("keep", "retry", "drop", "reject")
 _FALLBACKS = ("keep", "retry", "drop")
 
@@ -146,14 +147,26 @@ class TaskSettings:
             ``miles.rewards:exact_match``, ``miles.rewards:code_tests``).
         reward_timeout_s: a reward call that takes longer fails its sample with the reason
             (``null``: no deadline).
+        reward_errors: what a reward function that raises (or times out, or returns NaN)
+            does to its sample: ``"drop"`` (the sample fails and its group is dropped,
+            ``rollout.max_drop_frac`` bounds how many), ``"zero"`` (reward 0.0, it trains) or
+            ``"fail"`` (stop the run). Each failure is logged naming the function and the
+            sample, and counted (``rollout/reward_errors``). A reward that is not a number
+            stops the run under every policy.
     """
 
     name: str = "arithmetic"
     params: dict[str, Any] = field(default_factory=dict)
     reward_fn: str | None = None
     reward_timeout_s: float | None = 60.0
+    reward_errors: str = "drop"
 
     def __post_init__(self) -> None:
+        if self.reward_errors not in REWARD_ERROR_POLICIES:
+            raise ValueError(
+                f"task.reward_errors must be one of {list(REWARD_ERROR_POLICIES)}, got "
+                f"{self.reward_errors!r}"
+            )
         if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
             raise ValueError(
                 f"task.reward_timeout_s must be > 0 (or null for none), got {self.reward_timeout_s}"
@@ -442,6 +455,17 @@ def _load_python_recipe(path: Path) -> dict[str, Any]:
     return data
 
 
+def _importable(*dirs: Path) -> None:
+    """Let dotted paths in a recipe (``task.name``, ``task.reward_fn``, ...) name modules in the
+    recipe's directory or the working directory. Appended to ``sys.path``, so an installed
+    package of the same name still wins."""
+    for d in dirs:
+        entry = str(d.resolve())
+        if entry not in sys.path:
+            sys.path.append(entry)
+    importlib.invalidate_caches()
+
+
 def builtin_recipes() -> list[str]:
     """Names of the built-in recipes (``miles train <name>``)."""
     folder = Path(__file__).parent / "recipes"
@@ -459,6 +483,7 @@ def load_recipe(spec: str, overrides: Sequence[str] = ()) -> RunConfig:
     if path.suffix in (".yaml", ".yml", ".py"):
         if not path.is_file():
             raise FileNotFoundError(f"recipe file not found: {path}")
+        _importable(path.parent, Path.cwd())
         if path.suffix == ".py":
             data = _load_python_recipe(path)
         else:
