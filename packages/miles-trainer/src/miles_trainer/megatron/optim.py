@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     from miles_trainer.config import TrainerConfig
 
-__all__ = ["apply_step", "build_optimizer", "grad_norm"]
+__all__ = ["apply_step", "build_optimizer", "grad_norm", "load_optimizer_state", "optimizer_state"]
 
 
 def build_optimizer(
@@ -73,3 +73,65 @@ def apply_step(optimizer: MegatronOptimizer, norm: float) -> None:
                     use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
                 )
         optimizer.step_with_ready_grads()
+
+
+def _parts(optimizer: MegatronOptimizer) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _main_params(opt: Any) -> list[torch.Tensor]:
+    return [p for g in opt.optimizer.param_groups for p in g["params"]]
+
+
+def optimizer_state(optimizer: MegatronOptimizer) -> list[dict[str, Any]]:
+    """Copies of this rank's optimizer state: per (chained) optimizer, its fp32 main
+    parameters (shards, with the distributed optimizer) and its inner torch optimizer's state
+    (moments, step), plus the fp16 loss scaler's.
+
+    megatron's own ``state_dict()`` leaves the distributed optimizer's parameter state to
+    separate files; this keeps one rank's whole state in memory instead.
+    """
+    out = []
+    for opt in _parts(optimizer):
+        scaler = getattr(opt, "grad_scaler", None)
+        out.append(
+            {
+                "main_params": [p.detach().clone() for p in _main_params(opt)],
+                "inner": _clone(opt.optimizer.state_dict()),
+                "grad_scaler": None if scaler is None else _clone(scaler.state_dict()),
+            }
+        )
+    return out
+
+
+def load_optimizer_state(optimizer: MegatronOptimizer, state: list[dict[str, Any]]) -> None:
+    """Restore `optimizer_state` (values copied), then the model parameters from the main
+    parameters (all-gathered over data-parallel replicas with the distributed optimizer).
+    Collective."""
+    parts = _parts(optimizer)
+    assert len(parts) == len(state), "a state of another optimizer layout"
+    with cpu_compat.cpu_scope(), cpu_compat.quiet_megatron(), torch.no_grad():
+        for opt, saved in zip(parts, state):
+            for p, src in zip(_main_params(opt), saved["main_params"], strict=True):
+                p.copy_(src)
+            opt.optimizer.load_state_dict(_clone(saved["inner"]))
+            if saved["grad_scaler"] is not None:
+                opt.grad_scaler.load_state_dict(saved["grad_scaler"])
+            if hasattr(opt, "_copy_main_params_to_model_params"):  # masters apart from params
+                opt._copy_main_params_to_model_params()
+            for chunk in getattr(opt, "model_chunks", []):
+                if (
+                    getattr(opt, "ddp_config", None) is not None
+                    and opt.ddp_config.use_distributed_optimizer
+                ):
+                    chunk.start_param_sync(force_sync=True)
+
+
+def _clone(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_clone(v) for v in tree)
+    return tree

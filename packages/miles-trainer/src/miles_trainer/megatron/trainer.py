@@ -12,7 +12,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,13 @@ from miles_trainer.megatron import cpu_compat, train_state
 from miles_trainer.megatron.checkpoint import iter_hf_tensors
 from miles_trainer.megatron.convert import ModelDims, stack_experts, te_name, unstack_experts
 from miles_trainer.megatron.logprobs import vocab_parallel_response_logprobs
-from miles_trainer.megatron.optim import apply_step, build_optimizer, grad_norm
+from miles_trainer.megatron.optim import (
+    apply_step,
+    build_optimizer,
+    grad_norm,
+    load_optimizer_state,
+    optimizer_state,
+)
 from miles_trainer.megatron.parallelize import (
     build_model,
     init_model_parallel,
@@ -752,17 +758,16 @@ class MegatronTrainer:
         return layout
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's model shards and optimizer state for resuming (Megatron names).
+        """This rank's model shards and optimizer state for resuming (Megatron names; copies).
 
-        Save one file per rank; load it into a trainer of the same config and layout.
+        Save one file per rank; load it into a trainer of the same config and layout with
+        `load_state_dict`.
         """
         model = {n: p.detach().clone() for n, p in self._module.named_parameters()}
-        with cpu_compat.cpu_scope():
-            optim = self._optimizer.state_dict()
-        return {"model": model, "optimizer": optim, "layout": replace(self._par)}
+        return {"model": model, "optimizer": optimizer_state(self._optimizer), "layout": self._par}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned on this rank.
+        """Restore what `state_dict` returned on this rank (values copied). Collective.
 
         Raises:
             ValueError: the state comes from another layout rank.
@@ -774,5 +779,4 @@ class MegatronTrainer:
         with torch.no_grad():
             for n, p in self._module.named_parameters():
                 p.copy_(state["model"][n])
-        with cpu_compat.cpu_scope():
-            self._optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self._optimizer, state["optimizer"])
