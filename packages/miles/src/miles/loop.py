@@ -32,6 +32,7 @@ from miles._runlog import RunLog, plot_reward_curve
 from miles.config import RunConfig
 from miles.evaluation import Evaluator, build_evaluator
 from miles.guards import RunStoppedError, StepGuard
+from miles.preflight import preflight
 from miles.protocols import RolloutSource, Trainer, WeightSync
 from miles.rollout import AsyncRollout, RolloutEngines, SyncRollout, build_train_batch
 from miles.rollout.buffer import token_versions
@@ -183,7 +184,7 @@ def train(cfg: RunConfig) -> RunResult | None:
     trainer = build_trainer(cfg)
     rank, world = trainer.rank, trainer.world_size
     engines = RolloutEngines(cfg) if rank == 0 else None
-    source = build_source(cfg, engines) if engines is not None else None
+    source: RolloutSource | None = None
     evaluator: Evaluator | None = None
     run_dir = Path(cfg.run.out_dir) if cfg.run.out_dir else _default_run_dir(cfg.name)
     log: RunLog | None = None
@@ -192,6 +193,10 @@ def train(cfg: RunConfig) -> RunResult | None:
     steps_done = 0
     try:
         weight_sync = build_weight_sync(cfg, engines.receiver if engines is not None else None)
+        # An external engine must serve this model with these weights before anything
+        # generates (an async source starts generating as soon as it exists).
+        preflight(cfg, engines, trainer, weight_sync, rank=rank, world=world)
+        source = build_source(cfg, engines) if engines is not None else None
         guard = StepGuard(
             max_drop_frac=cfg.rollout.max_drop_frac,
             no_signal_steps=cfg.run.no_signal_steps,
@@ -308,3 +313,5 @@ def train(cfg: RunConfig) -> RunResult | None:
             dump.close()
         if source is not None:
             source.close()
+        elif engines is not None:
+            engines.close()
