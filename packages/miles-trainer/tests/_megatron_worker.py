@@ -4,8 +4,9 @@
 
 SPEC_JSON: {"megatron": {MegatronConfig fields}, "trainer": {TrainerConfig fields},
 "steps": [batch seeds], "batch_size": n}. Every rank checks that `named_hf_tensors` right after
-construction equals the checkpoint bit for bit (the TP / EP / PP gather), then runs one
-`train_step` per seed. Rank 0 writes ``result.json`` (metrics per step, the initial logprobs)
+construction equals the checkpoint bit for bit (the TP / EP / PP gather) and that its
+`megatron_shards` equal miles-transfer's `megatron_layout` slicing of the checkpoint, then runs
+one `train_step` per seed. Rank 0 writes ``result.json`` (metrics per step, the initial logprobs)
 and, after the last step, ``params.safetensors`` (`named_hf_tensors`) and ``grads.safetensors``
 (`named_hf_grads`, when it can: one data-parallel replica or no distributed optimizer).
 """
@@ -50,6 +51,18 @@ def main() -> None:
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
     for name, t in want.items():
         assert torch.equal(got[name].cpu(), t), f"rank {rank}: gathered {name} differs"
+
+    try:  # this rank's shards are what miles-transfer's megatron_layout says (P2P)
+        from miles_transfer.p2p.layouts import ModelShape, materialize, megatron_layout
+    except ImportError:
+        from miles_transfer import ModelShape, materialize, megatron_layout
+    shape = ModelShape.from_hf_config(trainer.hf_config, dtype=torch.float32)
+    layout = megatron_layout(shape, **trainer.megatron_layout_args())
+    expected = materialize(layout, rank, want)
+    shards = trainer.megatron_shards()
+    assert shards.keys() == expected.keys(), sorted(set(shards) ^ set(expected))
+    for name, t in expected.items():
+        assert torch.equal(shards[name].cpu(), t), f"rank {rank}: shard {name} differs"
 
     probe = make_batch(3, seed=99)
     logprobs = trainer.compute_logprobs(probe.tokens, probe.response_lengths)

@@ -301,6 +301,29 @@ class MegatronTrainer:
             self._local(True), self._dims, self._par, dtype=torch.float32, device=self._device
         )
 
+    def megatron_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters (views, no copy, no collective) under Transformer Engine
+        names: the local tensors miles-transfer's ``megatron_layout`` describes for this rank,
+        for P2P re-sharding straight from the trainer's layout. Build that layout with
+        `megatron_layout_args` and ``ModelShape.from_hf_config(trainer.hf_config, dtype=...)``
+        (the default ``make_vocab_size_divisible_by`` of 128, which the layout assumes)."""
+        moe = bool(self._dims.num_experts)
+        return {
+            (n if self._te else te_name(n, moe=moe)): p.detach()
+            for n, p in self._module.named_parameters()
+        }
+
+    def megatron_layout_args(self) -> dict[str, int]:
+        """``megatron_layout``'s keyword arguments for this job: tp, pp, dp, ep, etp (global
+        rank r is that layout's rank r: TP fastest, then data parallel, then pipeline)."""
+        m = self.config.megatron
+        return {"tp": m.tp, "pp": m.pp, "dp": self._dp, "ep": m.ep, "etp": m.etp}
+
+    @property
+    def hf_config(self) -> Any:
+        """The HF config of the policy (``config.json`` of ``model_path``)."""
+        return self._hf_config
+
     # ------------------------------------------------------------------ batches
 
     def _check_tokens(self, batch: TrainBatch) -> None:
