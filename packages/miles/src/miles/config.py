@@ -31,6 +31,7 @@ import yaml
 
 from miles._dataclass_build import build_dataclass, to_plain
 from miles_rollout import EngineConfig, SamplingParams
+from miles_rollout.fleet import FleetConfig
 from miles_trainer import TrainerConfig
 
 __all__ = [
@@ -62,6 +63,13 @@ class RolloutSettings:
         max_concurrency: bound on generate requests in flight.
         engine_url: URL of an SGLang-compatible server or sglang-router; ``None`` runs the
             embedded engine in this process.
+        generate_fn: how a sample is generated: ``"single_turn"`` (one generate call, the
+            default), ``"multi_turn"`` (``agent`` talks to the policy through a TITO session
+            server: exact token ids, tool and observation tokens masked out of the loss), or a
+            dotted path to ``async generate(ctx: miles_rollout.GenerateContext, sample) ->
+            sample``.
+        agent: for ``multi_turn``: dotted path to ``async agent(base_url, sample, request) ->
+            dict | None``; ``base_url`` is the session's OpenAI base URL.
         mode: ``"sync"``: each step generates its groups with the current weights, then
             trains. ``"async"``: the engines keep generating while the trainer trains; steps
             take completed groups from a bounded buffer (``miles.rollout.AsyncRollout``).
@@ -87,6 +95,8 @@ class RolloutSettings:
     n_samples_per_prompt: int = 8
     max_concurrency: int = 256
     engine_url: str | None = None
+    generate_fn: str | None = None
+    agent: str | None = None
     mode: str = "sync"
     buffer_capacity: int | None = None
     max_staleness: int = 1
@@ -374,18 +384,34 @@ class RunConfig:
     transfer: TransferSettings = field(default_factory=TransferSettings)
     run: RunSettings = field(default_factory=RunSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
+    fleet: FleetConfig | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         """Validate and build a config from a plain dict (see the module docstring)."""
         if not isinstance(data, dict):
             raise ValueError(f"a recipe must be a mapping of sections, got {type(data).__name__}")
-        sections = ("engine", "sampling", "trainer", "rollout", "task", "transfer", "run", "eval")
+        sections = (
+            "engine",
+            "sampling",
+            "trainer",
+            "rollout",
+            "task",
+            "transfer",
+            "run",
+            "eval",
+            "fleet",
+        )
         unknown = sorted(set(data) - {"name", "model_path", *sections})
         if unknown:
             raise ValueError(
                 f"unknown recipe key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
                 f"valid top-level keys: name, model_path, {', '.join(sections)}"
+            )
+        if data.get("fleet") is not None and (data.get("rollout") or {}).get("engine_url"):
+            raise ValueError(
+                "set either fleet (start engines behind a router) or rollout.engine_url (use "
+                "running engines), not both"
             )
         if not data.get("model_path"):
             raise ValueError("the recipe must set model_path (a local HF checkpoint directory)")
@@ -408,6 +434,11 @@ class RunConfig:
             transfer=build_dataclass(TransferSettings, sec["transfer"], "transfer"),
             run=build_dataclass(RunSettings, sec["run"], "run"),
             eval=build_dataclass(EvalSettings, sec["eval"], "eval"),
+            fleet=(
+                build_dataclass(FleetConfig, sec["fleet"], "fleet", model_path=model_path)
+                if data.get("fleet") is not None
+                else None
+            ),
         )
 
     def to_dict(self) -> dict[str, Any]:

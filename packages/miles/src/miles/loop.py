@@ -261,6 +261,7 @@ def train(cfg: RunConfig) -> RunResult | None:
                         **record,
                         **_namespaced("train", train_metrics),
                         **_namespaced("update", update),
+                        **(engines.metrics() if engines is not None else {}),
                         "time/train_s": t_train,
                         "time/update_s": t_update,
                         "time/step_s": time.perf_counter() - t_step,

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from miles.protocols import RolloutBatch
 from miles.rollout.buffer import (
@@ -36,7 +36,7 @@ from miles.rollout.buffer import (
 )
 from miles.rollout.engines import RolloutEngines
 from miles.rollout.single import generate_sample
-from miles_rollout import PromptItem, Sample, SampleStatus, rollout_metrics
+from miles_rollout import GenerateContext, PromptItem, Sample, SampleStatus, rollout_metrics
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
@@ -53,7 +53,13 @@ class _OpenGroup:
         self.item = item
         self.retries = retries
         self.samples = [
-            Sample(group_index=index, index=i, prompt=item.messages, label=item.label)
+            Sample(
+                group_index=index,
+                index=i,
+                prompt=item.messages,
+                label=item.label,
+                metadata=dict(item.metadata),
+            )
             for i in range(n)
         ]
         self.done = 0
@@ -141,13 +147,16 @@ class AsyncRollout:
         self._wake = asyncio.Event()
         slots = asyncio.Semaphore(self.cfg.rollout.max_concurrency)
         tasks: set[asyncio.Task[None]] = set()
-        async with self.engines.client() as client:
+        async with contextlib.AsyncExitStack() as stack:
+            client = self.engines.client()
+            await stack.enter_async_context(client)
+            ctx = await self.engines.generate_context(client, stack)
             try:
                 while not self._stop.is_set():
                     while self._may_admit():
                         group = self._next_group()
                         for s in group.samples:
-                            t = asyncio.ensure_future(self._one(client, group, s, slots))
+                            t = asyncio.ensure_future(self._one(ctx, group, s, slots))
                             tasks.add(t)
                             t.add_done_callback(tasks.discard)
                     self._wake.clear()
@@ -173,10 +182,10 @@ class AsyncRollout:
         return group
 
     async def _one(
-        self, client: Any, group: _OpenGroup, sample: Sample, slots: asyncio.Semaphore
+        self, ctx: GenerateContext, group: _OpenGroup, sample: Sample, slots: asyncio.Semaphore
     ) -> None:
         try:
-            await self._one_inner(client, group, sample, slots)
+            await self._one_inner(ctx, group, sample, slots)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # a bug: stop the producer, the trainer's get raises it
@@ -185,16 +194,15 @@ class AsyncRollout:
             self._wake.set()
 
     async def _one_inner(
-        self, client: Any, group: _OpenGroup, sample: Sample, slots: asyncio.Semaphore
+        self, ctx: GenerateContext, group: _OpenGroup, sample: Sample, slots: asyncio.Semaphore
     ) -> None:
         async with slots:
             self._busy(+1)
             try:
                 await generate_sample(
-                    client,
-                    self.engines.tokenizer,
+                    ctx,
                     sample,
-                    sampling_params=self.cfg.sampling,
+                    generate_fn=self.engines.generate_fn,
                     reward_fn=self.engines.reward_fn,
                 )
             finally:

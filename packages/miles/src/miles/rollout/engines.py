@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from miles.rewards.timeout import with_timeout
+from miles.rollout.fanout import FanoutReceiver
 from miles.tasks import make_reward_fn, make_task
-from miles_rollout import Engine, LocalEngineClient, SGLangClient
+from miles_rollout import (
+    Engine,
+    EngineConfig,
+    GenerateContext,
+    GenerateFn,
+    LocalEngineClient,
+    SGLangClient,
+    make_generate_fn,
+)
+from miles_rollout.fleet import Fleet, FleetConfig
 from miles_transfer import HTTPReceiver, WeightReceiver
 
 if TYPE_CHECKING:
@@ -20,7 +31,10 @@ class RolloutEngines:
     """Rank 0's engines, tokenizer, task and reward function for one run.
 
     Args:
-        cfg: the run; ``cfg.rollout.engine_url`` ``None`` starts the embedded engine here.
+        cfg: the run: a ``fleet`` section starts engine processes behind sglang-router
+            (weight updates go to every engine, generation through the router);
+            ``rollout.engine_url`` uses running engines; otherwise the embedded engine runs
+            in this process.
 
     Raises:
         FileNotFoundError: the model directory has no tokenizer (the rollout needs its chat
@@ -30,10 +44,26 @@ class RolloutEngines:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.task = make_task(cfg.task)
-        self.reward_fn = with_timeout(make_reward_fn(cfg.task, self.task), cfg.task.reward_timeout_s)
+        self.reward_fn = with_timeout(
+            make_reward_fn(cfg.task, self.task), cfg.task.reward_timeout_s
+        )
+        self.generate_fn: GenerateFn = make_generate_fn(
+            cfg.rollout.generate_fn, agent=cfg.rollout.agent
+        )
         self.engine: Engine | None = None
+        self.fleet: Fleet | None = None
+        self.url = cfg.rollout.engine_url
         self.receiver: WeightReceiver
-        if cfg.rollout.engine_url is None:
+        if cfg.fleet is not None:
+            self.fleet = _fleet_config(cfg).build().start()
+            fleet = self.fleet
+            self.url = fleet.url
+            try:
+                self.receiver = FanoutReceiver(lambda: fleet.engine_urls)
+            except BaseException:
+                fleet.close()
+                raise
+        elif cfg.rollout.engine_url is None:
             engine_cfg = cfg.engine
             if engine_cfg.num_threads is None:
                 # The embedded engine shares the process (and the cores) with the trainer. An
@@ -45,9 +75,10 @@ class RolloutEngines:
                 engine_cfg = dataclasses.replace(engine_cfg, num_threads=1)
             self.engine = Engine(engine_cfg)
             self.receiver = self.engine
-            self.tokenizer: Any = self.engine.tokenizer
         else:
             self.receiver = HTTPReceiver(cfg.rollout.engine_url)
+        self.tokenizer: Any = self.engine.tokenizer if self.engine is not None else None
+        if self.engine is None:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -57,14 +88,58 @@ class RolloutEngines:
                 f"{cfg.model_path} has no tokenizer files; the rollout needs the chat template"
             )
 
+    def metrics(self) -> dict[str, float]:
+        """The fleet's numbers (engines alive, deaths, sessions moved, ...), or nothing."""
+        return self.fleet.metrics() if self.fleet is not None else {}
+
+    async def generate_context(
+        self, client: LocalEngineClient | SGLangClient, stack: contextlib.AsyncExitStack
+    ) -> GenerateContext:
+        """The context the generate function gets; starts a TITO session server in the
+        running event loop (closed with ``stack``) when the generate function needs one."""
+        sessions_url = None
+        if getattr(self.generate_fn, "needs_sessions", False):
+            from miles_rollout.session.server import start_sessions
+
+            server = await start_sessions(client, tokenizer=self.tokenizer)
+            stack.push_async_callback(server.close)
+            sessions_url = server.url
+        return GenerateContext(
+            client=client,
+            tokenizer=self.tokenizer,
+            sampling_params=self.cfg.sampling,
+            sessions_url=sessions_url,
+        )
+
     def client(self) -> LocalEngineClient | SGLangClient:
         """A new client of the engines (use it as an async context manager)."""
         if self.engine is not None:
             return LocalEngineClient(self.engine)
-        assert self.cfg.rollout.engine_url is not None
-        return SGLangClient(self.cfg.rollout.engine_url)
+        assert self.url is not None
+        return SGLangClient(self.url)
 
     def close(self) -> None:
-        """Shut the embedded engine down (idempotent)."""
+        """Shut the embedded engine or the fleet down (idempotent)."""
         if self.engine is not None:
             self.engine.shutdown()
+        if self.fleet is not None:
+            self.fleet.close()
+
+
+# EngineConfig fields the fleet's embedded engines take from the recipe's `engine` section
+# (as `miles-rollout serve` flags) unless `fleet.engine_args` sets them.
+_ENGINE_FLAGS = ("dtype", "max_running_requests", "context_length", "seed", "num_threads")
+
+
+def _fleet_config(cfg: RunConfig) -> FleetConfig:
+    fleet = cfg.fleet
+    assert fleet is not None
+    if fleet.backend != "embedded":
+        return fleet
+    args = dict(fleet.engine_args)
+    defaults = EngineConfig(model_path=cfg.model_path)
+    for name in _ENGINE_FLAGS:
+        value = getattr(cfg.engine, name)
+        if name not in args and value is not None and value != getattr(defaults, name):
+            args[name] = value
+    return dataclasses.replace(fleet, engine_args=args)

@@ -43,6 +43,7 @@ class SyncRollout:
                 sampling_params=cfg.sampling,
                 reward_fn=self.engines.reward_fn,
                 max_concurrency=cfg.rollout.max_concurrency,
+                generate_fn=self.engines.generate_fn,
             )
 
     def next_batch(self, step: int) -> RolloutBatch:
