@@ -87,6 +87,7 @@ class SharedEval:
                 reward_fn=self.engines.reward_fn,
                 sampled_n=self.cfg.eval.sampled_n,
                 max_concurrency=self.cfg.rollout.max_concurrency,
+                reward_errors=self.cfg.task.reward_errors,
             )
 
     def evaluate(self, step: int, snapshot: Path | None) -> list[dict[str, Any]]:
@@ -165,6 +166,7 @@ class SnapshotEval:
                 sampling_params=self.cfg.sampling,
                 reward_fn=self.reward_fn,
                 sampled_n=self.cfg.eval.sampled_n,
+                reward_errors=self.cfg.task.reward_errors,
             )
 
     def _work(self) -> None:

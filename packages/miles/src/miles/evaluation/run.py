@@ -35,8 +35,12 @@ async def evaluate(
     reward_fn: RewardFn,
     sampled_n: int,
     max_concurrency: int = 256,
+    reward_errors: str = "drop",
 ) -> dict[str, float]:
     """Accuracy (mean reward) of greedy decoding and of ``sampled_n`` samples per prompt.
+
+    ``reward_errors`` is the run's ``task.reward_errors`` (see ``miles_rollout.reward``): a
+    sample whose reward failed counts as 0 unless it is ``"fail"``, which raises.
 
     Returns:
         ``accuracy_greedy``, ``accuracy_sampled``, ``response_len_greedy``, ``seconds`` and
@@ -56,6 +60,7 @@ async def evaluate(
             sampling_params=params,
             reward_fn=reward_fn,
             max_concurrency=max_concurrency,
+            reward_errors=reward_errors,
         )
         samples = result.samples
         rewards = [s.reward if s.reward is not None else 0.0 for s in samples]
