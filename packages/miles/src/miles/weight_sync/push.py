@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from miles.protocols import Trainer
-from miles_transfer import WeightReceiver, push_module_weights
+from miles_transfer import SyncReport, WeightReceiver, push_module_weights, push_weights
 
 __all__ = ["PushSync"]
 
@@ -25,17 +28,26 @@ class PushSync:
         self.verify = verify
 
     def sync(self, trainer: Trainer, version: int) -> dict[str, Any]:
-        """Push and (optionally) verify; a collective on every rank."""
-        model = getattr(trainer, "model", None)
-        if model is None:
-            raise TypeError(f"{type(trainer).__name__} has no .model to push weights from")
-        report = push_module_weights(
-            model,
-            self.receiver,
-            weight_version=str(version),
-            bucket_bytes=self.bucket_bytes,
-            verify=self.verify,
-        )
+        """Push and (optionally) verify; a collective on every rank.
+
+        A trainer with ``named_hf_tensors()`` (Megatron: gathers its TP/PP/EP shards into HF
+        names) streams those; otherwise its ``.model`` (an HF module, FSDP2-sharded or not) is
+        walked with ``miles_transfer.push_module_weights``.
+        """
+        named = getattr(trainer, "named_hf_tensors", None)
+        if callable(named):
+            report = self._push_stream(named(), str(version))
+        else:
+            model = getattr(trainer, "model", None)
+            if model is None:
+                raise TypeError(f"{type(trainer).__name__} has no .model to push weights from")
+            report = push_module_weights(
+                model,
+                self.receiver,
+                weight_version=str(version),
+                bucket_bytes=self.bucket_bytes,
+                verify=self.verify,
+            )
         if report is None:
             return {}
         return {
@@ -46,3 +58,25 @@ class PushSync:
             "verify_s": report.verify_seconds,
             "verified": report.verified,
         }
+
+    def _push_stream(
+        self, stream: Iterator[tuple[str, torch.Tensor]], version: str
+    ) -> SyncReport | None:
+        # Producing the stream is a collective (gathers): every rank drains it, also when
+        # the sending rank fails, so no rank is left waiting.
+        if self.receiver is None:
+            for _ in stream:
+                pass
+            return None
+        try:
+            return push_weights(
+                stream,
+                self.receiver,
+                weight_version=version,
+                bucket_bytes=self.bucket_bytes,
+                verify=self.verify,
+            )
+        except BaseException:
+            for _ in stream:
+                pass
+            raise
