@@ -34,7 +34,39 @@ def check_checkpoint_dir(path: str) -> Path:
             f"no *.safetensors weight files in {path!r}; save the model with "
             "model.save_pretrained(dir) (safetensors is its default format)"
         )
+    _check_files(p)
     return p
+
+
+def _check_files(p: Path) -> None:
+    """config.json parses to an object and every safetensors header reads (cheap: no tensor
+    data is loaded), so a corrupt file fails here, named, instead of deep inside a loader."""
+    import json
+
+    from safetensors import SafetensorError, safe_open
+
+    config = p / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"{config} is not valid JSON ({exc}); the checkpoint is damaged: write it again "
+            "with model.save_pretrained(dir) or copy it again"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{config} holds a JSON {type(data).__name__}, not the object of a model config; "
+            "write the checkpoint again with model.save_pretrained(dir)"
+        )
+    for f in sorted(p.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(
+                f"{f} is not a readable safetensors file ({exc}); it is truncated or corrupt: "
+                "write the checkpoint again with model.save_pretrained(dir) or copy it again"
+            ) from None
 
 
 def load_safetensors_dir(path: str) -> list[tuple[str, torch.Tensor]]:
