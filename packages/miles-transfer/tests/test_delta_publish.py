@@ -166,3 +166,41 @@ def test_engine_keeps_serving_the_old_version_on_failure(served):
         assert other.pause_calls == ["in_place"]
         assert not other.paused
         assert odd_engine.weights_checksum() == before
+
+
+def test_engine_follower_keeps_an_engine_on_the_newest_version(tmp_path):
+    """In memory on the engine's side: full snapshot first, deltas after (also the delta kept
+    inside a later full snapshot), a late follower catches up in one swap; bits equal."""
+    from miles_transfer.delta import EngineFollower
+
+    model = _model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    pub = DeltaPublisher(tmp_path / "pub", full_every=3, other_files={"config.json": b"{}"})
+    engine_model = _model(1).to(torch.bfloat16)
+    with WeightServer(ModuleReceiver(engine_model)) as server:
+        engine = HTTPReceiver(server.url)
+        follower = EngineFollower(engine, pub.root)
+        receiver = server.receiver
+        for v in range(4):
+            if v:
+                _train(model, opt, v)
+            pub.publish(iter_full_state(model))
+            rep = follower.update()
+            want = _bf16_state(model)
+            assert engine.weights_checksum() == {n: tensor_digest(t) for n, t in want.items()}
+            assert rep.weight_version == str(v) == receiver.weight_version  # type: ignore[attr-defined]
+            assert server.pause_calls[-1] == "in_place"
+            assert not server.paused
+            full = sum(t.numel() * t.element_size() for t in want.values())
+            if v == 0:
+                assert rep.steps == ("full 0",)
+                assert rep.read_bytes == full
+            else:
+                assert rep.steps == (f"delta {v}",)  # v 3 is a full snapshot: its delta/ is read
+                assert 0 < rep.read_bytes < full
+            assert rep.pause_seconds > 0
+        late = EngineFollower(HTTPReceiver(server.url), pub.root)
+        rep = late.update(2)
+        assert rep.steps == ("full 0", "delta 1", "delta 2")
+    with pytest.raises(ValueError, match="newer than 1"):
+        follower.update(1)

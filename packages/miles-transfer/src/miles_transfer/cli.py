@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="miles-transfer",
         description=(
             "Inspect and compare HF safetensors checkpoints bit for bit; encode, apply and "
-            "verify disk deltas between them."
+            "verify disk deltas between them; receive P2P weight updates beside an engine."
         ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -89,7 +89,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_compare)
 
     add_delta_parser(sub)  # delta encode|apply|verify (delta/cli.py)
+
+    p = sub.add_parser(
+        "p2p-agent",
+        help="receive P2P weight updates beside an SGLang-API engine and swap them in",
+        description=(
+            "Run on the engine's host: hosts the rendezvous store, prints 'p2p-agent ready at "
+            "HOST:PORT' (give it to the trainer), receives every trainer rank's shards over "
+            "TCP or shared memory, checks them bit for bit and swaps them into the engine "
+            "(update_weights_from_tensor between pause and continue)."
+        ),
+    )
+    p.add_argument("--engine-url", required=True, help="the engine, e.g. http://127.0.0.1:30000")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    p.add_argument("--port", type=int, default=0, help="store port (0 picks a free one)")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
+    p.set_defaults(func=_cmd_p2p_agent)
     return parser
+
+
+def _cmd_p2p_agent(args: argparse.Namespace) -> int:
+    from miles_transfer.p2p.engine import run_agent
+
+    run_agent(args.engine_url, host=args.host, port=args.port, parent_pid=args.parent_pid)
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

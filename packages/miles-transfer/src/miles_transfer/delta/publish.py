@@ -48,7 +48,9 @@ __all__ = [
     "DeltaSubscriber",
     "PublishReport",
     "PullReport",
+    "read_latest",
     "version_dir_name",
+    "version_kind",
 ]
 
 _VERSION_RE = re.compile(r"^weight_v(\d{6,})$")
@@ -97,7 +99,9 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _read_latest(root: Path) -> int | None:
+def read_latest(root: str | Path) -> int | None:
+    """The version ``LATEST`` names under a publish root (``None`` before the first publish)."""
+    root = Path(root)
     p = root / "LATEST"
     if not p.is_file():
         return None
@@ -105,6 +109,18 @@ def _read_latest(root: Path) -> int | None:
     if not text.isdigit():
         raise ValueError(f"{p}: holds {text!r}, not a version number")
     return int(text)
+
+
+def version_kind(root: str | Path, version: int) -> str:
+    """``"full"`` or ``"delta"``: what the publisher wrote for ``version``.
+
+    Raises:
+        ValueError: the version was never (fully) published.
+    """
+    meta = Path(root) / version_dir_name(version) / "version.json"
+    if not meta.is_file():
+        raise ValueError(f"{meta} is missing: version {version} was never (fully) published")
+    return str(json.loads(meta.read_text())["kind"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +192,7 @@ class DeltaPublisher:
             )
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        if _read_latest(self.root) is not None:
+        if read_latest(self.root) is not None:
             raise ValueError(
                 f"{self.root} already holds published versions; publish into a new directory "
                 f"(a publisher diffs against its in-memory snapshot, which a restart loses)"
@@ -347,13 +363,10 @@ class DeltaSubscriber:
 
     def latest_published(self) -> int | None:
         """The publisher's ``LATEST`` version."""
-        return _read_latest(self.publish_root)
+        return read_latest(self.publish_root)
 
     def _kind(self, v: int) -> str:
-        meta = self.publish_root / version_dir_name(v) / "version.json"
-        if not meta.is_file():
-            raise ValueError(f"{meta} is missing: version {v} was never (fully) published")
-        return str(json.loads(meta.read_text())["kind"])
+        return version_kind(self.publish_root, v)
 
     def _is_full(self, v: int) -> bool:
         meta = self.publish_root / version_dir_name(v) / "version.json"

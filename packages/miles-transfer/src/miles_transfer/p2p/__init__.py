@@ -6,7 +6,7 @@ over a transport (``miles_transfer.p2p.transports``), re-sharding on the way (na
 PyTorch reference); ``reshard_local`` does it in one process.
 """
 
-from miles_transfer.p2p.module import module_buffers, module_param_specs, module_shards
+from miles_transfer.p2p.module import module_buffers, module_param_specs, module_shards, tied_names
 from miles_transfer.p2p.plan import CopyOp, TransferPlan, clear_plan_cache, plan_transfer
 from miles_transfer.p2p.reshard import (
     copy_ops,
@@ -48,5 +48,6 @@ __all__ = [
     "reshard_native_available",
     "reshard_native_error",
     "src_peer",
+    "tied_names",
     "unpack",
 ]

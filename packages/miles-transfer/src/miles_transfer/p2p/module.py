@@ -5,6 +5,7 @@
 - `module_shards(module)`: HF name -> this rank's local tensor (a DTensor's local shard, as
   FSDP2's Shard(0) placement holds it; a plain tensor whole). No collective: each trainer rank
   sends its own shard, nobody gathers.
+- `tied_names(module)`: the names that alias an earlier entry (tied embeddings), to leave out.
 - `module_buffers(module)`: HF name -> the module's own parameter and buffer storage, to receive
   straight into an in-process engine's weights (a TP 1 engine's layout is
   `replicated_layout(module_param_specs(engine_model))`).
@@ -19,7 +20,7 @@ import torch
 from miles_transfer.p2p.layouts.base import ParamSpec
 from miles_transfer.push.state import _hf_name, _is_dtensor
 
-__all__ = ["module_buffers", "module_param_specs", "module_shards"]
+__all__ = ["module_buffers", "module_param_specs", "module_shards", "tied_names"]
 
 
 def module_param_specs(module: torch.nn.Module) -> dict[str, ParamSpec]:
@@ -62,4 +63,16 @@ def module_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         if not data.is_contiguous():
             raise ValueError(f"{_hf_name(n)!r} is not contiguous; call .contiguous() on the model")
         out[_hf_name(n)] = data
+    return out
+
+
+def tied_names(module: torch.nn.Module) -> set[str]:
+    """HF names of state_dict entries that are the same parameter as an earlier entry (tied
+    embeddings: ``lm_head.weight``); moving them again would move the same bytes twice."""
+    seen: set[int] = set()
+    out: set[str] = set()
+    for n, t in module.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            out.add(_hf_name(n))
+        seen.add(id(t))
     return out
