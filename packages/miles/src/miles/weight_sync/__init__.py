@@ -37,11 +37,17 @@ def build_weight_sync(
             ``transfer.delta.dir`` is set. Nothing is created before the first sync.
 
     Raises:
-        ValueError: ``delta`` with neither ``transfer.delta.dir`` nor a run directory.
+        ValueError: ``delta`` with neither ``transfer.delta.dir`` nor a run directory, or
+            ``p2p`` with a trainer backend other than FSDP2.
     """
     t = cfg.transfer
     bucket_bytes = int(t.bucket_mb * 2**20)
     if t.method == "p2p":
+        if cfg.trainer.backend != "fsdp":
+            raise ValueError(
+                f"transfer.method p2p sends FSDP2 shards; with trainer.backend "
+                f"{cfg.trainer.backend} use transfer.method push or delta"
+            )
         return P2PSync(
             receiver,
             engine_url=cfg.rollout.engine_url,
