@@ -31,10 +31,13 @@ __all__ = [
     "POLICIES",
     "Agent",
     "TaskResult",
+    "Verdict",
     "builtin_tasks_dir",
     "check_tasks",
+    "open_task_sandbox",
     "run_task",
     "run_tasks",
+    "verify",
 ]
 
 Agent = Callable[[Sandbox, HarborTask], Awaitable[Any]]
@@ -138,6 +141,64 @@ async def _run(
     options: dict[str, Any],
     podman_base: str | None,
 ) -> None:
+    sb = await open_task_sandbox(
+        task,
+        backend=backend,
+        backend_options=options,
+        podman_base=podman_base,
+        notes=result.notes,
+    )
+    async with sb:
+        if policy == "oracle":
+            r = await oracle_agent(sb, task)
+            result.agent_exit_code = r.exit_code
+            if r.timed_out:
+                result.notes.append(f"solve.sh timed out after {task.agent_timeout_s:g} s")
+        elif policy != "noop":
+            if not callable(policy):
+                raise ValueError(f"policy must be one of {POLICIES} or an agent, got {policy!r}")
+            await policy(sb, task)
+        verdict = await verify(sb, task)
+    result.verifier_exit_code = verdict.exit_code
+    result.reward, result.reason, result.error = verdict.reward, verdict.reason, verdict.error
+
+
+@dataclass(kw_only=True, slots=True)
+class Verdict:
+    """What a task's verifier said.
+
+    Attributes:
+        reward: the reward (0.0 when ``error``).
+        scores: every named score the verifier wrote (reward.json may hold several);
+            ``scores["reward"] == reward``.
+        reason: why this reward (the verifier's last words below 1.0), or what went wrong.
+        error: the verifier crashed, hung, or wrote no or a malformed reward.
+        exit_code: exit code of tests/test.sh (124: timed out).
+        duration_s: seconds the verifier ran (upload included).
+    """
+
+    reward: float
+    scores: dict[str, float]
+    reason: str
+    error: bool = False
+    exit_code: int | None = None
+    duration_s: float = 0.0
+
+
+async def open_task_sandbox(
+    task: HarborTask,
+    *,
+    backend: str = "local",
+    backend_options: Mapping[str, Any] | None = None,
+    podman_base: str | None = None,
+    notes: list[str] | None = None,
+) -> Sandbox:
+    """A fresh sandbox set up as the task's environment, ready for an agent.
+
+    The spec comes from task.toml; the local backend replays the Dockerfile's WORKDIR / ENV /
+    COPY (what it skips is appended to ``notes``), podman builds the Dockerfile. /logs/verifier
+    and /logs/agent exist. The caller closes the sandbox (``async with``).
+    """
     env = {k: v for k, v in task.plan.env.items() if k.isidentifier()}
     spec = SandboxSpec(
         workdir=task.workdir,
@@ -151,22 +212,17 @@ async def _run(
     replay = backend != "podman"
     if backend == "podman":
         spec = spec.replace(image=await _podman_image(task, podman_base))
-    elif task.plan.ignored:
-        result.notes += [f"{backend} backend skipped: {line}" for line in task.plan.ignored]
-    async with await create_sandbox(spec, backend=backend, **options) as sb:
+    elif task.plan.ignored and notes is not None:
+        notes += [f"{backend} backend skipped: {line}" for line in task.plan.ignored]
+    sb = await create_sandbox(spec, backend=backend, **dict(backend_options or {}))
+    try:
         if replay:
             await _replay_copies(sb, task)
         await sb.exec(["mkdir", "-p", "/logs/verifier", "/logs/agent"], cwd="/")
-        if policy == "oracle":
-            r = await oracle_agent(sb, task)
-            result.agent_exit_code = r.exit_code
-            if r.timed_out:
-                result.notes.append(f"solve.sh timed out after {task.agent_timeout_s:g} s")
-        elif policy != "noop":
-            if not callable(policy):
-                raise ValueError(f"policy must be one of {POLICIES} or an agent, got {policy!r}")
-            await policy(sb, task)
-        await _verify(sb, task, result)
+    except BaseException:
+        await sb.close()
+        raise
+    return sb
 
 
 async def _replay_copies(sb: Sandbox, task: HarborTask) -> None:
@@ -180,33 +236,53 @@ async def _replay_copies(sb: Sandbox, task: HarborTask) -> None:
             await sb.write_file(target, local.read_bytes(), mode=local.stat().st_mode & 0o777)
 
 
-async def _verify(sb: Sandbox, task: HarborTask, result: TaskResult) -> None:
+async def verify(sb: Sandbox, task: HarborTask) -> Verdict:
+    """Upload tests/ to /tests, run ``bash /tests/test.sh`` and read the reward it wrote.
+
+    Never raises for the verifier's own failures (crash, hang, no or a malformed reward):
+    they are the verdict's ``error`` and ``reason``.
+    """
+    t0 = time.monotonic()
     await sb.upload_dir(task.path / "tests", "/tests")
     r = await sb.exec(
         ["bash", "/tests/test.sh"], env=task.verifier_env, timeout=task.verifier_timeout_s
     )
-    result.verifier_exit_code = r.exit_code
     said = _tail(r.stdout + r.stderr)
+
+    def failed(reason: str) -> Verdict:
+        return Verdict(
+            reward=0.0,
+            scores={"reward": 0.0},
+            reason=reason,
+            error=True,
+            exit_code=r.exit_code,
+            duration_s=time.monotonic() - t0,
+        )
+
     if r.timed_out:
-        _fail(result, f"verifier timed out after {task.verifier_timeout_s:g} s; {said}")
-        return
-    reward, source = await _read_reward(sb)
-    if reward is None:
-        _fail(
-            result,
+        return failed(f"verifier timed out after {task.verifier_timeout_s:g} s; {said}")
+    scores, source = await _read_reward(sb)
+    if scores is None:
+        return failed(
             f"verifier exited {r.exit_code} without writing {REWARD_TXT} or {REWARD_JSON}"
             + (f"; {source}" if source else "")
-            + (f"; it said: {said}" if said else ""),
+            + (f"; it said: {said}" if said else "")
         )
-        return
-    result.reward = reward
-    result.reason = f"reward {reward:g} from {source}"
+    reward = scores["reward"]
+    reason = f"reward {reward:g} from {source}"
     if reward < 1.0 and said:
-        result.reason += f"; verifier said: {said}"
+        reason += f"; verifier said: {said}"
+    return Verdict(
+        reward=reward,
+        scores=scores,
+        reason=reason,
+        exit_code=r.exit_code,
+        duration_s=time.monotonic() - t0,
+    )
 
 
-async def _read_reward(sb: Sandbox) -> tuple[float | None, str]:
-    """(reward, where it came from) or (None, what was wrong)."""
+async def _read_reward(sb: Sandbox) -> tuple[dict[str, float] | None, str]:
+    """(named scores with "reward", where they came from) or (None, what was wrong)."""
     try:
         text = (await sb.read_file(REWARD_TXT)).decode(errors="replace").strip()
     except FileNotFoundError:
@@ -216,21 +292,30 @@ async def _read_reward(sb: Sandbox) -> tuple[float | None, str]:
             value = float(text)
         except ValueError:
             return None, f"reward.txt holds {text[:60]!r}, not a number"
-        return (value, "reward.txt") if math.isfinite(value) else (None, "reward.txt not finite")
+        if not math.isfinite(value):
+            return None, "reward.txt not finite"
+        return {"reward": value}, "reward.txt"
     try:
         raw = json.loads(await sb.read_file(REWARD_JSON))
     except FileNotFoundError:
         return None, ""
     except ValueError as e:
         return None, f"reward.json is not JSON: {e}"
-    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-        return float(raw), "reward.json"
+    if _is_number(raw):
+        return {"reward": float(raw)}, "reward.json"
     if isinstance(raw, dict):
-        if "reward" in raw:
-            return float(raw["reward"]), "reward.json"
-        if len(raw) == 1:
-            return float(next(iter(raw.values()))), "reward.json"
-    return None, "reward.json has no 'reward' key"
+        scores = {str(k): float(v) for k, v in raw.items() if _is_number(v)}
+        if not all(math.isfinite(v) for v in scores.values()):
+            return None, "reward.json holds a non-finite score"
+        if "reward" in scores:
+            return scores, "reward.json"
+        if len(raw) == 1 and len(scores) == 1:
+            return {"reward": next(iter(scores.values())), **scores}, "reward.json"
+    return None, "reward.json has no numeric 'reward' key"
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _tail(text: str, lines: int = 3, chars: int = 300) -> str:
