@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -147,11 +148,16 @@ async def generate_rollout(
 
 
 def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:
-    """Summary numbers of one rollout step (reward over graded samples only)."""
+    """Summary numbers of one rollout step (reward over graded samples only).
+
+    Also the mean of every finite number a generate or agent function reported in
+    ``sample.metadata["metrics"]`` (a mapping), per key over the samples that report it:
+    e.g. ``agentic/turns`` from ``miles_env.rollout.terminal_agent``.
+    """
     graded = [s.reward for s in samples if s.reward is not None]
     lengths = [s.response_length for s in samples]
     n = max(1, len(samples))
-    return {
+    out = {
         "reward_mean": sum(graded) / len(graded) if graded else float("nan"),
         "response_len_mean": sum(lengths) / n,
         "truncated_frac": sum(s.status is SampleStatus.TRUNCATED for s in samples) / n,
@@ -159,3 +165,13 @@ def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "failed_frac": sum(s.status is SampleStatus.FAILED for s in samples) / n,
         "reward_errors": float(sum("reward_error" in s.metadata for s in samples)),
     }
+    reported: dict[str, list[float]] = {}
+    for s in samples:
+        numbers = s.metadata.get("metrics")
+        if isinstance(numbers, Mapping):
+            for k, v in numbers.items():
+                if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+                    reported.setdefault(str(k), []).append(float(v))
+    for k, values in reported.items():
+        out.setdefault(k, sum(values) / len(values))
+    return out
