@@ -79,6 +79,7 @@ async def generate_rollout(
     generate_fn: GenerateFn | None = None,
     sessions_url: str | None = None,
     reward_errors: str = "fail",
+    context: GenerateContext | None = None,
 ) -> RolloutResult:
     """Generate and grade ``n_samples_per_prompt`` samples for each prompt.
 
@@ -94,6 +95,9 @@ async def generate_rollout(
         sessions_url: an existing TITO session server for ``needs_sessions`` generate
             functions; by default one is started in this event loop for the rollout, in front
             of ``client``.
+        context: the generate functions' context as the caller built it (its own session
+            server, ``return_routed_experts``); ``client``, ``tokenizer`` and
+            ``sampling_params`` are then taken from it and ``sessions_url`` is ignored.
         reward_errors: when ``reward_fn`` raises: ``"fail"`` (raise ``RewardError``),
             ``"zero"`` (reward 0.0) or ``"drop"`` (the sample is ``FAILED``); see
             ``miles_rollout.reward``. A non-number returned raises under every policy.
@@ -115,18 +119,21 @@ async def generate_rollout(
     fn: GenerateFn = generate_fn if generate_fn is not None else single_turn_generate
     t0 = time.perf_counter()
     async with contextlib.AsyncExitStack() as stack:
-        if getattr(fn, "needs_sessions", False) and sessions_url is None:
-            from miles_rollout.session.server import start_sessions
+        if context is not None:
+            ctx = context
+        else:
+            if getattr(fn, "needs_sessions", False) and sessions_url is None:
+                from miles_rollout.session.server import start_sessions
 
-            server = await start_sessions(client, tokenizer=tokenizer)
-            stack.push_async_callback(server.close)
-            sessions_url = server.url
-        ctx = GenerateContext(
-            client=client,
-            tokenizer=tokenizer,
-            sampling_params=sampling_params,
-            sessions_url=sessions_url,
-        )
+                server = await start_sessions(client, tokenizer=tokenizer)
+                stack.push_async_callback(server.close)
+                sessions_url = server.url
+            ctx = GenerateContext(
+                client=client,
+                tokenizer=tokenizer,
+                sampling_params=sampling_params,
+                sessions_url=sessions_url,
+            )
         semaphore = asyncio.Semaphore(max_concurrency)
         groups: list[list[Sample]] = []
         tasks = []

@@ -78,12 +78,15 @@ class GenerateContext:
         sampling_params: the rollout's sampling parameters (per turn for multi-turn).
         sessions_url: base URL of a TITO session server in front of ``client`` (set by
             ``generate_rollout`` for generate functions with ``needs_sessions = True``).
+        return_routed_experts: ask the engine for each token's MoE expert ids (R3 replay in
+            the trainer); they land in ``sample.routed_experts``.
     """
 
     client: EngineClient
     tokenizer: Any
     sampling_params: SamplingParams
     sessions_url: str | None = None
+    return_routed_experts: bool = False
 
 
 @runtime_checkable

@@ -33,13 +33,27 @@ def _train(args: argparse.Namespace) -> int:
     overrides = list(args.set or [])
     if args.steps is not None:
         overrides.append(f"run.num_steps={args.steps}")
-    if args.out is not None:
-        overrides.append(f"run.out_dir={args.out}")
     if args.no_progress:
         overrides.append("run.progress=false")
-    cfg = load_recipe(args.recipe, overrides)
+    recipe = args.recipe
+    if args.resume is not None:
+        if recipe is not None or args.out is not None:
+            raise ValueError(
+                "--resume RUN_DIR continues that run with its own recipe (RUN_DIR/config.yaml): "
+                "give neither a recipe nor --out"
+            )
+        run_dir = Path(args.resume)
+        recipe = str(run_dir / "config.yaml")
+        if not Path(recipe).is_file():
+            raise FileNotFoundError(f"{run_dir} is not a miles run directory (no config.yaml)")
+        overrides.append(f"run.out_dir={run_dir}")
+    elif recipe is None:
+        raise ValueError("give a recipe (see `miles recipes`) or --resume RUN_DIR")
+    elif args.out is not None:
+        overrides.append(f"run.out_dir={args.out}")
+    cfg = load_recipe(recipe, overrides)
     _quiet_libraries()
-    result = train(cfg)
+    result = train(cfg, resume=args.resume is not None)
     if result is not None:
         print(f"run directory: {result.run_dir}")
         print(f"  metrics:     {result.metrics_path}")
@@ -103,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="miles", description="RL post-training for LLMs.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run RL training from a recipe")
-    t.add_argument("recipe", help="built-in recipe name, or a .yaml / .py recipe file")
+    t.add_argument("recipe", nargs="?", help="built-in recipe name, or a .yaml / .py recipe file")
     t.add_argument(
         "--set",
         action="append",
@@ -113,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, help="shorthand for --set run.num_steps=N")
     t.add_argument("--out", help="run directory (default runs/<name>-<timestamp>)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run from its newest checkpoint (run.save_every); --steps sets the new "
+        "total",
+    )
     t.set_defaults(fn=_train)
     r = sub.add_parser("recipes", help="list the built-in recipes")
     r.set_defaults(fn=_recipes)

@@ -327,7 +327,14 @@ class RunSettings:
     Attributes:
         num_steps: RL steps (rollout, train, weight update) to run.
         out_dir: run directory; ``None`` means ``runs/<name>-<timestamp>/``.
-        save_every: write an HF checkpoint every this many steps (0: only at the end).
+        save_every: write a resumable checkpoint (``trainer/step_<N>/``: model, optimizer,
+            RNG states, the data position and the async buffer) every this many steps;
+            ``miles train --resume RUN_DIR`` continues from the newest. 0: none (the final HF
+            checkpoint is always written).
+        keep_checkpoints: how many resumable checkpoints to keep (the newest).
+        deterministic: reproducible runs on CPU (sync rollout): per-request sampling seeds
+            from (``engine.seed``, step, group, sample), deterministic trainer kernels; a run
+            stopped and resumed then matches the uninterrupted one bit for bit.
         tensorboard: also log to TensorBoard when it is installed.
         plot_every: refresh the PNG reward curve every this many steps.
         progress: show a progress bar.
@@ -345,6 +352,8 @@ class RunSettings:
     num_steps: int = 60
     out_dir: str | None = None
     save_every: int = 0
+    keep_checkpoints: int = 2
+    deterministic: bool = False
     tensorboard: bool = True
     plot_every: int = 10
     progress: bool = True
@@ -358,6 +367,8 @@ class RunSettings:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
         if self.save_every < 0:
             raise ValueError(f"save_every must be >= 0, got {self.save_every}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"run.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.plot_every < 1:
             raise ValueError(f"plot_every must be >= 1, got {self.plot_every}")
         if self.no_signal_steps < 0:
@@ -440,6 +451,14 @@ class RunConfig:
                 else None
             ),
         )
+
+    def __post_init__(self) -> None:
+        if self.run.deterministic:
+            if self.rollout.mode != "sync":
+                raise ValueError(
+                    "run.deterministic needs rollout.mode sync (async scheduling depends on timing)"
+                )
+            self.trainer.deterministic = True
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data (written to the run directory)."""

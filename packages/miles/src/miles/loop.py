@@ -34,6 +34,14 @@ from miles.evaluation import Evaluator, build_evaluator
 from miles.guards import RunStoppedError, StepGuard
 from miles.preflight import preflight
 from miles.protocols import RolloutSource, Trainer, WeightSync
+from miles.resume import (
+    checkpoint_dir,
+    find_checkpoint,
+    loop_state,
+    prune,
+    restore_loop_state,
+    truncate_metrics,
+)
 from miles.rollout import AsyncRollout, RolloutEngines, SyncRollout, build_train_batch
 from miles.rollout.buffer import token_versions
 from miles.tasks import load_callable
@@ -170,8 +178,13 @@ def sample_record(sample: Sample, step: int) -> dict[str, Any]:
     }
 
 
-def train(cfg: RunConfig) -> RunResult | None:
+def train(cfg: RunConfig, *, resume: bool = False) -> RunResult | None:
     """Run the RL loop described by ``cfg``.
+
+    Args:
+        cfg: the run.
+        resume: continue the run in ``cfg.run.out_dir`` from its newest checkpoint (its
+            ``trainer/step_<N>/``) instead of starting a new one.
 
     Returns:
         Where the outputs are (on rank 0; ``None`` on other ranks).
@@ -181,6 +194,11 @@ def train(cfg: RunConfig) -> RunResult | None:
         ValueError: a bad config value or a bad request (e.g. a prompt longer than the context).
     """
     check_model_dir(cfg.model_path)
+    checkpoint = None
+    if resume:
+        if not cfg.run.out_dir:
+            raise ValueError("resuming needs the run directory (run.out_dir)")
+        checkpoint = find_checkpoint(Path(cfg.run.out_dir))
     trainer = build_trainer(cfg)
     rank, world = trainer.rank, trainer.world_size
     engines = RolloutEngines(cfg) if rank == 0 else None
@@ -219,19 +237,35 @@ def train(cfg: RunConfig) -> RunResult | None:
                 for row in evaluator.evaluate(step, snapshot):
                     log.log(row)
 
-        if rank == 0:
+        start = 1
+        if checkpoint is not None:
+            # Last setup step: it restores every rank's RNG states.
+            info = trainer.load_checkpoint(checkpoint)
+            start = info.step + 1
+            steps_done = info.step
+            if engines is not None and source is not None:
+                restore_loop_state(info.client_state, engines, source, guard)
+                truncate_metrics(run_dir, info.step)
+            # The engines still serve the checkpoint the run started from.
+            weight_sync.sync(trainer, info.step)
+            if source is not None:
+                source.weights_updated(info.step)
+        if rank == 0 and checkpoint is None:
             if run_dir.exists() and any(run_dir.iterdir()):
                 raise FileExistsError(f"run directory {run_dir} exists and is not empty")
             run_dir.mkdir(parents=True, exist_ok=True)
             created = True
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        if rank == 0:
             log = RunLog(run_dir, tensorboard=cfg.run.tensorboard)
             if cfg.run.dump_samples:
-                dump = (run_dir / "samples.jsonl").open("w")
-        if eval_on:
+                dump = (run_dir / "samples.jsonl").open("a" if checkpoint else "w")
+        if eval_on and checkpoint is None:
             run_eval(0)
         with _progress(cfg.run.num_steps, rank == 0 and cfg.run.progress) as bar:
-            for step in range(1, cfg.run.num_steps + 1):
+            if bar is not None:
+                bar.update(start - 1)
+            for step in range(start, cfg.run.num_steps + 1):
                 t_step = time.perf_counter()
                 payload: Any = None
                 if source is not None:
@@ -253,7 +287,14 @@ def train(cfg: RunConfig) -> RunResult | None:
                 if source is not None:
                     source.weights_updated(step)
                 if cfg.run.save_every and step % cfg.run.save_every == 0:
-                    trainer.save_hf_checkpoint(run_dir / "checkpoints" / f"step_{step:06d}")
+                    state = None
+                    if engines is not None and source is not None:
+                        state = loop_state(engines, source, guard)
+                    trainer.save_checkpoint(
+                        checkpoint_dir(run_dir, step), step=step, client_state=state
+                    )
+                    if rank == 0:
+                        prune(run_dir, cfg.run.keep_checkpoints)
                 steps_done = step
                 if log is not None:
                     record = {

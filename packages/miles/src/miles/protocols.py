@@ -53,6 +53,16 @@ class Trainer(Protocol):
         """Write the policy as a Hugging Face checkpoint (a collective on every rank)."""
         ...
 
+    def save_checkpoint(self, path: Path, *, step: int, client_state: Any = None) -> None:
+        """Write the whole training state and rank 0's ``client_state`` atomically
+        (collective)."""
+        ...
+
+    def load_checkpoint(self, path: Path) -> Any:
+        """Restore what ``save_checkpoint`` wrote; return an object with ``step`` and
+        ``client_state`` (collective)."""
+        ...
+
 
 class RolloutSource(Protocol):
     """Where trainable groups come from (rank 0 only)."""
@@ -63,6 +73,14 @@ class RolloutSource(Protocol):
 
     def weights_updated(self, version: int) -> None:
         """The engines now serve the trainer's weights after ``version`` steps."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs from the source (e.g. buffered groups)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` before the first ``next_batch``."""
         ...
 
     def close(self) -> None:

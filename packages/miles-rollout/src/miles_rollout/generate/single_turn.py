@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from miles_rollout.sample import Sample, SampleStatus
+from miles_rollout.sampling_params import SamplingParams
 from miles_rollout.types import GenerateContext
 
-__all__ = ["encode_prompt", "finish_status", "single_turn_generate"]
+__all__ = ["encode_prompt", "finish_status", "sample_params", "single_turn_generate"]
 
 _STATUS = {
     "stop": SampleStatus.COMPLETED,
@@ -32,6 +34,20 @@ def encode_prompt(tokenizer: Any, prompt: list[dict[str, Any]] | str) -> list[in
     )
 
 
+def sample_params(ctx: GenerateContext, sample: Sample) -> SamplingParams:
+    """The sampling parameters of one sample: the rollout's, with a per-sample seed when the
+    sample's metadata holds ``sampling_seed`` (seed + the sample's index in its group)."""
+    base = sample.metadata.get("sampling_seed")
+    if base is None:
+        return ctx.sampling_params
+    seed = (int(base) + sample.index) & 0x7FFFFFFFFFFFFFFF
+    return dataclasses.replace(ctx.sampling_params, seed=seed)
+
+
+def _extra(ctx: GenerateContext) -> dict[str, Any]:
+    return {"return_routed_experts": True} if ctx.return_routed_experts else {}
+
+
 async def single_turn_generate(ctx: GenerateContext, sample: Sample) -> Sample:
     """Render the prompt, generate once, fill the sample (a :class:`GenerateFn`).
 
@@ -39,7 +55,9 @@ async def single_turn_generate(ctx: GenerateContext, sample: Sample) -> Sample:
         RuntimeError: the engine returned a logprob count that differs from its token count.
     """
     prompt_ids = encode_prompt(ctx.tokenizer, sample.prompt)
-    out = await ctx.client.generate(prompt_ids, ctx.sampling_params, return_logprob=True)
+    out = await ctx.client.generate(
+        prompt_ids, sample_params(ctx, sample), return_logprob=True, **_extra(ctx)
+    )
     ids = list(out.output_ids)
     logprobs = list(out.output_logprobs or [])
     if len(logprobs) != len(ids):

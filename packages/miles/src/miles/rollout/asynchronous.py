@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from miles.protocols import RolloutBatch
 from miles.rollout.buffer import (
@@ -107,8 +107,13 @@ class AsyncRollout:
         self._admission_paused = False
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._open_groups: dict[int, _OpenGroup] = {}
         self._thread = threading.Thread(target=self._run, name="miles-rollout", daemon=True)
-        self._thread.start()
+
+    def start(self) -> None:
+        """Start the producer (the first ``next_batch`` does it too); idempotent."""
+        if not self._thread.is_alive() and not self._stop.is_set() and self._thread.ident is None:
+            self._thread.start()
 
     # ---- producer (its own thread and event loop) --------------------------------------------
 
@@ -175,10 +180,11 @@ class AsyncRollout:
             if self._retry_queue:
                 item, retries = self._retry_queue.popleft()
             else:
-                item, retries = self.engines.task.sample(1)[0], 0
+                item, retries = self.engines.draw(1)[0], 0
             group = _OpenGroup(item, self.n, retries, self._started)
             self._started += 1
             self._open += 1
+            self._open_groups[id(group)] = group
         return group
 
     async def _one(
@@ -204,6 +210,7 @@ class AsyncRollout:
                     sample,
                     generate_fn=self.engines.generate_fn,
                     reward_fn=self.engines.reward_fn,
+                    reward_errors=self.cfg.task.reward_errors,
                 )
             finally:
                 self._busy(-1)
@@ -228,23 +235,26 @@ class AsyncRollout:
                 self._idle_since = now
 
     def _complete(self, group: _OpenGroup) -> None:
-        with self._lock:
-            self._open -= 1
-            self._done_in_open -= len(group.samples)
-            version = self._version
         done = CompletedGroup(
             item=group.item,
             samples=group.samples,
             retries=group.retries,
             completed_at=time.perf_counter(),
         )
-        if self.policy == "reject":
+        # Under the lock, so a state_dict() sees the group either open or buffered.
+        with self._lock:
+            self._open -= 1
+            self._done_in_open -= len(group.samples)
+            del self._open_groups[id(group)]
             lo = group_min_version(group.samples)
-            if lo is not None and version - lo > self.max_staleness:
-                with self._lock:
-                    self._counts["rejected"] += 1
+            if (
+                self.policy == "reject"
+                and lo is not None
+                and self._version - lo > self.max_staleness
+            ):
+                self._counts["rejected"] += 1
                 return
-        self.buffer.put(done)
+            self.buffer.put(done)
 
     def _poke(self) -> None:
         loop, wake = self._loop, self._wake
@@ -269,6 +279,7 @@ class AsyncRollout:
     def next_batch(self, step: int) -> RolloutBatch:
         """Take ``prompts_per_step`` groups in completion order, applying the staleness rule."""
         t0 = time.perf_counter()
+        self.start()
         version = self._version
         groups: list[list[Sample]] = []
         staleness: list[int] = []
@@ -320,6 +331,29 @@ class AsyncRollout:
         for k, c in collections.Counter(staleness).items():
             metrics[f"staleness_hist_{k}"] = float(c)
         return RolloutBatch(groups=groups, metrics=metrics, seconds=time.perf_counter() - t0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs: the buffered groups (complete samples) and the prompts of
+        groups in flight or waiting for a retry (regenerated from scratch after a resume)."""
+        with self._lock:
+            return {
+                "buffered": [
+                    {"item": g.item, "samples": g.samples, "retries": g.retries}
+                    for g in self.buffer.snapshot()
+                ],
+                "pending": [(g.item, g.retries) for g in self._open_groups.values()]
+                + list(self._retry_queue),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` before the producer starts."""
+        assert self._thread.ident is None, "load_state_dict before the producer starts"
+        for g in state["buffered"]:
+            group = CompletedGroup(
+                item=g["item"], samples=g["samples"], retries=g["retries"], completed_at=0.0
+            )
+            self.buffer.put(group)
+        self._retry_queue.extend(state["pending"])
 
     def pause_admission(self) -> None:
         """Start no new samples (those in flight go on), e.g. while an eval set runs on the

@@ -15,6 +15,7 @@ from miles_rollout import (
     GenerateContext,
     GenerateFn,
     LocalEngineClient,
+    PromptItem,
     SGLangClient,
     make_generate_fn,
 )
@@ -44,6 +45,7 @@ class RolloutEngines:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.task = make_task(cfg.task)
+        self.prompts_drawn = 0  # training prompts taken from the task (the data position)
         self.reward_fn = with_timeout(
             make_reward_fn(cfg.task, self.task), cfg.task.reward_timeout_s
         )
@@ -88,6 +90,19 @@ class RolloutEngines:
                 f"{cfg.model_path} has no tokenizer files; the rollout needs the chat template"
             )
 
+    def draw(self, n: int) -> list[PromptItem]:
+        """The next ``n`` training prompts of the task (counted: the data position)."""
+        items = list(self.task.sample(n))
+        self.prompts_drawn += len(items)
+        return items
+
+    def skip(self, n: int) -> None:
+        """Move the task's stream forward by ``n`` prompts (resuming a run)."""
+        while n > 0:
+            k = min(n, 1024)
+            self.draw(k)
+            n -= k
+
     def metrics(self) -> dict[str, float]:
         """The fleet's numbers (engines alive, deaths, sessions moved, ...), or nothing."""
         return self.fleet.metrics() if self.fleet is not None else {}
@@ -101,7 +116,9 @@ class RolloutEngines:
         if getattr(self.generate_fn, "needs_sessions", False):
             from miles_rollout.session.server import start_sessions
 
-            server = await start_sessions(client, tokenizer=self.tokenizer)
+            server = await start_sessions(
+                client, tokenizer=self.tokenizer, return_routed_experts=self.cfg.trainer.r3
+            )
             stack.push_async_callback(server.close)
             sessions_url = server.url
         return GenerateContext(
@@ -109,6 +126,7 @@ class RolloutEngines:
             tokenizer=self.tokenizer,
             sampling_params=self.cfg.sampling,
             sessions_url=sessions_url,
+            return_routed_experts=self.cfg.trainer.r3,
         )
 
     def client(self) -> LocalEngineClient | SGLangClient:

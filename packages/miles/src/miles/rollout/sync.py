@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+import contextlib
+from typing import TYPE_CHECKING, Any
 
 from miles.protocols import RolloutBatch
 from miles.rollout.engines import RolloutEngines
@@ -13,6 +14,16 @@ if TYPE_CHECKING:
     from miles.config import RunConfig
 
 __all__ = ["SyncRollout"]
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64 over their sequence)."""
+    x = 0x9E3779B97F4A7C15
+    for v in values:
+        x = (x ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x & 0x7FFFFFFFFFFFFFFF
 
 
 class SyncRollout:
@@ -31,10 +42,18 @@ class SyncRollout:
         self._loop = asyncio.new_event_loop()
         self._closed = False
 
-    async def _generate(self) -> RolloutResult:
+    async def _generate(self, step: int) -> RolloutResult:
         cfg = self.cfg
-        items = self.engines.task.sample(cfg.rollout.prompts_per_step)
-        async with self.engines.client() as client:
+        items = self.engines.draw(cfg.rollout.prompts_per_step)
+        if cfg.run.deterministic:
+            # Seeded per request from (seed, step, group): sampling then depends on nothing
+            # else (not on the engine's own random stream), so a resumed run samples the same.
+            for gi, item in enumerate(items):
+                item.metadata["sampling_seed"] = _mix(cfg.engine.seed, step, gi)
+        async with contextlib.AsyncExitStack() as stack:
+            client = self.engines.client()
+            await stack.enter_async_context(client)
+            ctx = await self.engines.generate_context(client, stack)
             return await generate_rollout(
                 client,
                 self.engines.tokenizer,
@@ -43,18 +62,27 @@ class SyncRollout:
                 sampling_params=cfg.sampling,
                 reward_fn=self.engines.reward_fn,
                 max_concurrency=cfg.rollout.max_concurrency,
+                reward_errors=cfg.task.reward_errors,
                 generate_fn=self.engines.generate_fn,
+                context=ctx,
             )
 
     def next_batch(self, step: int) -> RolloutBatch:
         """Generate and grade this step's groups."""
-        result = self._loop.run_until_complete(self._generate())
+        result = self._loop.run_until_complete(self._generate(step))
         return RolloutBatch(
             groups=result.groups, metrics=rollout_metrics(result.samples), seconds=result.seconds
         )
 
     def weights_updated(self, version: int) -> None:
         """Nothing to do: the next step generates with whatever the engines serve."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing beyond the data position (the engines' counter) to resume."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """See :meth:`state_dict`."""
 
     def close(self) -> None:
         """Cancel what is left on the event loop, close it and stop the engines."""
