@@ -1,30 +1,119 @@
-"""Run output: metrics.jsonl, TensorBoard (when installed) and the PNG reward curve."""
+"""Run output: metrics.jsonl, TensorBoard and Weights & Biases (optional), the PNG reward curve.
+
+TensorBoard (``run.tensorboard``): ``null`` (default) logs when it is installed, ``true``
+requires it (``pip install 'miles[tensorboard]'``), ``false`` turns it off. W&B
+(``run.wandb: true``; ``pip install 'miles[wandb]'``) logs the same scalars and the resolved
+config under ``run.wandb_project``, in ``run.wandb_mode`` (``offline`` by default: files under
+``<run dir>/wandb``, no network; ``wandb sync`` uploads them later; ``online`` logs live).
+"""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles.config import RunConfig
 
 __all__ = ["RunLog", "plot_reward_curve", "read_metrics"]
 
 
-class RunLog:
-    """Append one JSON line per step to ``metrics.jsonl`` and mirror scalars to TensorBoard."""
+def _tensorboard_writer(run_dir: Path, required: bool) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        if required:
+            raise ImportError(
+                "run.tensorboard: true needs TensorBoard: pip install 'miles[tensorboard]' "
+                "(or pip install tensorboard), or set run.tensorboard: false"
+            ) from e
+        return None
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool) -> None:
+
+def _wandb_run(run_dir: Path, *, project: str, mode: str, name: str, config: Any) -> Any:
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError(
+            "run.wandb: true needs Weights & Biases: pip install 'miles[wandb]' (or pip install "
+            "wandb), or set run.wandb: false"
+        ) from e
+    return wandb.init(
+        project=project,
+        name=name,
+        dir=str(run_dir),
+        mode=mode,  # type: ignore[arg-type]  # checked by RunSettings: "offline" | "online"
+        config=config,
+        settings=wandb.Settings(console="off", silent=True),
+    )
+
+
+class RunLog:
+    """Append one JSON line per step to ``metrics.jsonl`` and mirror scalars to TensorBoard
+    and W&B.
+
+    Args:
+        run_dir: the run directory.
+        tensorboard: ``None``: when installed; ``True``: required; ``False``: off.
+        wandb: also log to Weights & Biases (required: ImportError naming the extra).
+        wandb_project: the W&B project.
+        wandb_mode: ``"offline"`` (files only, no network) or ``"online"``.
+        name: the run's name (W&B).
+        config: the resolved run config, recorded by W&B.
+
+    Raises:
+        ImportError: a backend asked for (``True``) is not installed; the message says what to
+            install.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        tensorboard: bool | None = None,
+        wandb: bool = False,
+        wandb_project: str = "miles",
+        wandb_mode: str = "offline",
+        name: str | None = None,
+        config: Any = None,
+    ) -> None:
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
-        self._fh = self.path.open("a", buffering=1)
         self._tb: Any = None
-        if tensorboard:
+        self._wandb: Any = None
+        if tensorboard is not False:
+            self._tb = _tensorboard_writer(run_dir, required=tensorboard is True)
+        if wandb:
             try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                self._tb = None
-            else:
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+                self._wandb = _wandb_run(
+                    run_dir,
+                    project=wandb_project,
+                    mode=wandb_mode,
+                    name=name or run_dir.name,
+                    config=config,
+                )
+            except BaseException:
+                if self._tb is not None:
+                    self._tb.close()
+                raise
+        self._fh = self.path.open("a", buffering=1)
+
+    @classmethod
+    def for_run(cls, run_dir: Path, cfg: RunConfig) -> RunLog:
+        """The run log the recipe's ``run`` section asks for."""
+        run = cfg.run
+        return cls(
+            run_dir,
+            tensorboard=run.tensorboard,
+            wandb=run.wandb,
+            wandb_project=run.wandb_project,
+            wandb_mode=run.wandb_mode,
+            name=cfg.name,
+            config=cfg.to_dict(),
+        )
 
     def log(self, record: dict[str, Any]) -> None:
         """Write one step's record (must contain ``step``)."""
@@ -33,17 +122,28 @@ class RunLog:
             for k, v in record.items()
         }
         self._fh.write(json.dumps(clean, sort_keys=False) + "\n")
+        if self._tb is None and self._wandb is None:
+            return
+        step = int(record["step"])
+        scalars = {
+            k: v
+            for k, v in clean.items()
+            if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+        }
         if self._tb is not None:
-            step = int(record["step"])
-            for k, v in record.items():
-                if k != "step" and isinstance(v, int | float) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
-        """Flush and close the files."""
+        """Flush and close the files (and finish the W&B run)."""
         self._fh.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

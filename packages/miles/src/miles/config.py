@@ -335,7 +335,12 @@ class RunSettings:
         deterministic: reproducible runs on CPU (sync rollout): per-request sampling seeds
             from (``engine.seed``, step, group, sample), deterministic trainer kernels; a run
             stopped and resumed then matches the uninterrupted one bit for bit.
-        tensorboard: also log to TensorBoard when it is installed.
+        tensorboard: log to TensorBoard too: ``null`` when it is installed, ``true``
+            requires it (``pip install 'miles[tensorboard]'``), ``false`` never.
+        wandb: log to Weights & Biases too (``pip install 'miles[wandb]'``).
+        wandb_project: the W&B project.
+        wandb_mode: ``"offline"`` (files under ``<run dir>/wandb``, no network; ``wandb sync``
+            uploads them) or ``"online"``.
         plot_every: refresh the PNG reward curve every this many steps.
         progress: show a progress bar.
         eval_every: evaluate every this many steps, and at step 0 and at the end (``eval``
@@ -354,7 +359,10 @@ class RunSettings:
     save_every: int = 0
     keep_checkpoints: int = 2
     deterministic: bool = False
-    tensorboard: bool = True
+    tensorboard: bool | None = None
+    wandb: bool = False
+    wandb_project: str = "miles"
+    wandb_mode: str = "offline"
     plot_every: int = 10
     progress: bool = True
     eval_every: int = 0
@@ -371,6 +379,10 @@ class RunSettings:
             raise ValueError(f"run.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.plot_every < 1:
             raise ValueError(f"plot_every must be >= 1, got {self.plot_every}")
+        if self.wandb_mode not in ("offline", "online"):
+            raise ValueError(
+                f"run.wandb_mode must be 'offline' or 'online', got {self.wandb_mode!r}"
+            )
         if self.no_signal_steps < 0:
             raise ValueError(f"run.no_signal_steps must be >= 0, got {self.no_signal_steps}")
         if self.no_signal_action not in ("warn", "stop"):

@@ -257,7 +257,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> RunResult | None:
             created = True
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         if rank == 0:
-            log = RunLog(run_dir, tensorboard=cfg.run.tensorboard)
+            log = RunLog.for_run(run_dir, cfg)
             if cfg.run.dump_samples:
                 dump = (run_dir / "samples.jsonl").open("a" if checkpoint else "w")
         if eval_on and checkpoint is None:
