@@ -30,7 +30,14 @@ BUILTIN_TASKS: dict[str, Callable[..., Task]] = {
     "guess_number": GuessNumberTask,  # multi-turn: pair it with the agent guess_number.play
     "dataset": DatasetTask,  # JSONL / JSON / Parquet / datasets dir + template + label field
     "word_problems": WordProblemTask,  # seeded multi-step word problems (small LMs)
+    "harbor": lambda **p: _agentic().HarborTaskSet(**p),  # Harbor task dirs (miles.agentic)
 }
+
+
+def _agentic() -> Any:
+    """miles.agentic, imported on use: it needs miles-env (pip install 'miles[env]')."""
+    return importlib.import_module("miles.agentic")
+
 
 _TASK_CONTRACT = (
     "an object with sample(n) -> list[PromptItem] and reward(response, label) -> float "
