@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -46,8 +47,14 @@ pytestmark = [
 ]
 
 
-def _get(url: str) -> object:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+# Every fleet here runs with an API key: the router demands it and sends it on to the engines.
+KEY = "fleet-test-key"
+
+
+def _get(url: str, key: str | None = KEY) -> object:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    req = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
 
 
@@ -94,7 +101,7 @@ async def _tag(fleet: Fleet) -> dict[str, int]:
     tags = {}
     for e in fleet.engines:
         if e.alive:
-            async with SGLangClient(e.url) as c:
+            async with SGLangClient(e.url, api_key=KEY) as c:
                 await c.update_weight_version(f"e{e.index}")
             tags[f"e{e.index}"] = e.index
     return tags
@@ -110,11 +117,24 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         replace_dead_engines=True,
         log_dir=str(tmp_path_factory.mktemp("fleet-logs")),
         startup_timeout_s=300,
+        api_key=KEY,
     )
     with cfg.build() as f:
         asyncio.run(_tag(f))
         yield f
     assert wait_gone(f.pids, 30) == [], "close() left processes running"
+
+
+def test_router_and_engines_demand_the_key(fleet: Fleet) -> None:
+    """The real sglang-router with --api-key registered the engines (it sends the key on) and
+    refuses clients without it; the engines refuse direct calls without it too."""
+    for url in [fleet.url + "/generate", *(e.url + "/get_server_info" for e in fleet.engines)]:
+        for key in (None, "wrong"):
+            with pytest.raises(urllib.error.HTTPError) as info:
+                _get(url, key)
+            assert info.value.code == 401, url
+    for e in fleet.engines:
+        assert _counter(e.url, "num_running_reqs") >= 0  # with the key: answered
 
 
 def test_sessions_stick_to_one_engine_and_rank_under_load(fleet: Fleet) -> None:
@@ -134,7 +154,7 @@ def test_sessions_stick_to_one_engine_and_rank_under_load(fleet: Fleet) -> None:
         return turns
 
     async def main() -> list[list[tuple[int, GenerateOutput]]]:
-        async with SGLangClient(fleet.url, timeout=120) as c:
+        async with SGLangClient(fleet.url, timeout=120, api_key=KEY) as c:
             return list(await asyncio.gather(*(session(s, c) for s in range(8))))
 
     sessions = asyncio.run(main())
@@ -164,8 +184,8 @@ def test_each_new_session_goes_to_an_idle_rank(fleet: Fleet) -> None:
         return [n for e in engines for n in _rank_loads(e.url)]
 
     async def main() -> None:
-        async with SGLangClient(fleet.url, timeout=120) as c:
-            directs = [SGLangClient(e.url) for e in engines]
+        async with SGLangClient(fleet.url, timeout=120, api_key=KEY) as c:
+            directs = [SGLangClient(e.url, api_key=KEY) for e in engines]
             for d in directs:
                 await d.pause_generation("in_place")
             held = []
@@ -214,7 +234,7 @@ def test_engine_death_moves_its_sessions_and_a_replacement_joins(fleet: Fleet) -
     by_tag = {f"e{e.index}": e for e in fleet.engines}
 
     async def main() -> None:
-        async with SGLangClient(fleet.url, timeout=120) as c:
+        async with SGLangClient(fleet.url, timeout=120, api_key=KEY) as c:
             keys: dict[str, list[str]] = {t: [] for t in by_tag}
             for i in range(6):
                 out = await c.generate([30, 31, i], _params(2), routing_key=f"doomed-{i}")
@@ -223,7 +243,7 @@ def test_engine_death_moves_its_sessions_and_a_replacement_joins(fleet: Fleet) -
             victim = by_tag[victim_tag]
             survivor = next(e for t, e in by_tag.items() if t != victim_tag)
             # Two turns in flight on the victim (paused in place), then it dies.
-            async with SGLangClient(victim.url) as direct:
+            async with SGLangClient(victim.url, api_key=KEY) as direct:
                 await direct.pause_generation("in_place")
             in_flight = [
                 asyncio.create_task(c.generate([30, 31, 9], _params(2), routing_key=k))
@@ -281,7 +301,7 @@ def test_engine_death_moves_its_sessions_and_a_replacement_joins(fleet: Fleet) -
             assert {f"{new.url}@{r}" for r in range(2)} <= _healthy_workers(fleet.url)
             await _tag(fleet)
             live = [survivor, new]
-            directs = [SGLangClient(e.url) for e in live]
+            directs = [SGLangClient(e.url, api_key=KEY) for e in live]
             for d in directs:
                 await d.pause_generation("in_place")
             held = []
@@ -341,7 +361,7 @@ def _start_cli(argv: list[str], log: Path) -> tuple[subprocess.Popen[str], str, 
 
 def _generate_once(url: str) -> GenerateOutput:
     async def main() -> GenerateOutput:
-        async with SGLangClient(url, timeout=120) as c:
+        async with SGLangClient(url, timeout=120, api_key=KEY) as c:
             return await c.generate([5, 6, 7], _params(2), routing_key="cli")
 
     return asyncio.run(main())
@@ -349,6 +369,7 @@ def _generate_once(url: str) -> GenerateOutput:
 
 def test_cli_fleet_stops_every_child_on_sigterm(model_dir: Path, tmp_path: Path) -> None:
     base = ["--model-path", str(model_dir), "--router-port", "0", "--log-dir", str(tmp_path)]
+    base += ["--api-key", KEY]
     proc, url, pids = _start_cli(
         [*base, "--engine-num-threads", "1"],
         tmp_path / "fleet.err",
@@ -373,6 +394,7 @@ def test_cli_fleet_killed_outright_takes_its_children_along(
         "--host {host} --port {port} --num-threads 1"
     )
     base = ["--model-path", str(model_dir), "--router-port", "0", "--log-dir", str(tmp_path)]
+    base += ["--api-key", KEY]
     proc, url, pids = _start_cli(
         [*base, "--backend", "command", "--command", command],
         tmp_path / "fleet.err",

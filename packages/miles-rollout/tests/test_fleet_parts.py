@@ -38,6 +38,10 @@ from miles_rollout.fleet.sglang import gpus_per_engine, parse_passthrough, sglan
         ({"command": ["srv", "{port}"]}, "command"),
         ({"router_args": {"worker_urls": ["x"]}}, "router_args"),
         ({"startup_timeout_s": 0}, "startup_timeout_s"),
+        ({"host": "0.0.0.0"}, "--insecure-no-auth"),
+        ({"engine_args": {"api_key": "k"}}, "FleetConfig.api_key"),
+        ({"router_args": {"api-key": "k"}}, "FleetConfig.api_key"),
+        ({"api_key": "has space"}, "printable ASCII"),
     ],
 )
 def test_config_rejects_mistakes_naming_the_field(kwargs: dict, names: str) -> None:
@@ -121,6 +125,26 @@ def test_engine_command_per_backend(tmp_path: Path) -> None:
     sgl = engine_command(FleetConfig(model_path="/m", backend="sglang", sglang_python="/p"), 0)
     assert sgl.argv[:3] == ["/p", "-m", "sglang.launch_server"]
     assert sgl.argv[sgl.argv.index("--port") + 1] == str(sgl.port)
+
+
+def test_the_api_key_reaches_engines_and_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles_rollout.fleet.engines import engine_env
+
+    monkeypatch.setenv("MILES_API_KEY", "inherited")
+    keyed = FleetConfig(model_path="/m", api_key="k1", engine_env={"X": "1"})
+    env = engine_env(keyed)
+    assert (env["MILES_API_KEY"], env["X"]) == ("k1", "1")
+    assert "k1" not in engine_command(keyed, 0).argv  # not on a command line ps shows
+    # No key for the fleet: none inherited either (it would lock the router out).
+    assert "MILES_API_KEY" not in engine_env(FleetConfig(model_path="/m"))
+    sgl = engine_command(FleetConfig(model_path="/m", backend="sglang", api_key="k2"), 0)
+    assert sgl.argv[sgl.argv.index("--api-key") + 1] == "k2"  # SGLang's own flag
+    argv = router_argv(
+        "r", ["http://a:1"], host="h", port=1, prometheus_port=2, router_args={}, api_key="k3"
+    )
+    assert argv[argv.index("--api-key") + 1] == "k3"
+    public = FleetConfig(model_path="/m", host="0.0.0.0", insecure_no_auth=True)
+    assert "--insecure-no-auth" in engine_command(public, 0).argv
 
 
 def test_router_command_line_defaults_and_overrides() -> None:

@@ -267,24 +267,126 @@ def test_routing_key_api_key_and_missing_checksum_endpoint() -> None:
     assert seen[1] == {"new_version": "v2", "abort_all_requests": False}
 
 
-def test_client_retries_idempotent_calls_only() -> None:
+@contextlib.contextmanager
+def refusing_port() -> Iterator[int]:
+    """A loopback port that refuses connections for as long as the block runs (bound, not
+    listening: nobody else can take it meanwhile)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here once closed
+        yield int(s.getsockname()[1])
+
+
+def test_client_retries_5xx_and_connection_errors_never_4xx() -> None:
+    """Counted attempts against a stub server: 503 (with Retry-After) and 500 are retried up to
+    the bound, 400/401/404 never; generate only with generate_retries."""
+    hits: dict[str, int] = {}
+    script: dict[str, list[int]] = {}
+    ok = {
+        "/generate": {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}}},
+        "/get_server_info": {"dp_size": 1},
+    }
+
+    async def handler(request: web.Request) -> web.Response:
+        hits[request.path] = hits.get(request.path, 0) + 1
+        plan = script.get(request.path, [])
+        status = plan.pop(0) if plan else 200
+        if status == 200:
+            return web.json_response(ok[request.path])
+        return web.json_response(
+            {"error": {"message": f"status {status}"}}, status=status, headers={"Retry-After": "0"}
+        )
 
     async def main() -> None:
-        async with SGLangClient(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.1) as c:
-            assert await c.health() is False
-            start = time.monotonic()
-            with pytest.raises(aiohttp.ClientConnectionError):
-                await c.get_server_info()
-            assert time.monotonic() - start >= 0.3  # two retries: 0.1 + 0.2 s of backoff
-            start = time.monotonic()
-            with pytest.raises(aiohttp.ClientConnectionError):
-                await c.generate([1])
-            assert time.monotonic() - start < 0.3  # never retried
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with SGLangClient(url, retries=2, backoff_s=0.0, generate_retries=3) as c:
+                script["/get_server_info"] = [503, 500]
+                assert await c.get_server_info() == {"dp_size": 1}
+                assert hits.pop("/get_server_info") == 3
+                script["/get_server_info"] = [503, 503, 503]
+                with pytest.raises(SGLangHTTPError) as info:
+                    await c.get_server_info()
+                assert info.value.status == 503
+                assert info.value.retry_after_s == 0.0
+                assert hits.pop("/get_server_info") == 3  # 1 + retries
+                script["/generate"] = [502, 503, 500]
+                assert (await c.generate([1])).output_ids == [7]
+                assert hits.pop("/generate") == 4
+                for status in (400, 401, 404, 413):
+                    script["/generate"] = [status]
+                    with pytest.raises((ValueError, SGLangHTTPError)):
+                        await c.generate([1])
+                    assert hits.pop("/generate") == 1, status
+            async with SGLangClient(url, retries=2, backoff_s=0.0) as c:
+                script["/generate"] = [503]
+                with pytest.raises(SGLangHTTPError):
+                    await c.generate([1])  # generate_retries defaults to 0
+                assert hits.pop("/generate") == 1
+        finally:
+            await runner.cleanup()
+        with refusing_port() as port:
+            async with SGLangClient(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.0) as c:
+                assert await c.health() is False
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    await c.get_server_info()
 
     asyncio.run(main())
+
+
+def test_generate_retries_through_a_full_queue(fresh_engine: Engine) -> None:
+    """A real 503 (the engine's queue is full) is retried with backoff until room frees up."""
+    import logging
+
+    from engine_faults import stalled
+
+    retried = threading.Event()
+
+    class OnRetry(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "retry" in record.getMessage():
+                retried.set()
+
+    handler = OnRetry()
+    logging.getLogger("miles_rollout.client").addHandler(handler)
+    running = fresh_engine.config.max_running_requests
+    batch = {
+        "input_ids": [[5, 6, i] for i in range(running)],
+        "sampling_params": {"max_new_tokens": 1},
+    }
+
+    async def one() -> list[int]:
+        async with SGLangClient(url, backoff_s=0.05, generate_retries=1000) as c:
+            return (await c.generate([5, 6], {"max_new_tokens": 2})).output_ids
+
+    try:
+        with serve(fresh_engine, max_queued_requests=0) as handle:
+            url = handle.url
+            results: list[Any] = []
+            with stalled(fresh_engine):
+                filler = threading.Thread(
+                    target=lambda: results.append(_call("POST", url + "/generate", batch))
+                )
+                filler.start()
+                deadline = time.monotonic() + 60
+                while fresh_engine.load()[0]["num_reqs"] < running:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                late = threading.Thread(target=lambda: results.append(asyncio.run(one())))
+                late.start()
+                assert retried.wait(60)  # it got a 503 and is backing off
+            filler.join(120)
+            late.join(120)
+    finally:
+        logging.getLogger("miles_rollout.client").removeHandler(handler)
+    assert results[0][0] == 200
+    assert len(results[1]) == 2
 
 
 def test_cli_serves_a_checkpoint(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -294,29 +396,25 @@ def test_cli_serves_a_checkpoint(model_dir: Path, capsys: pytest.CaptureFixture[
 
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "miles-rollout"]
     assert script.load() is main
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     stop = threading.Event()
-    argv = ["serve", "--model-path", str(model_dir), "--port", str(port), "--weight-version", "cli"]
+    argv = ["serve", "--model-path", str(model_dir), "--port", "0", "--weight-version", "cli"]
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(main(argv, stop=stop)))
     thread.start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                status, resp = _call("GET", f"http://127.0.0.1:{port}/get_weight_version")
-                break
-            except aiohttp.ClientConnectionError:
-                assert time.monotonic() < deadline
-                assert thread.is_alive()
-                time.sleep(0.05)
+        out = ""
+        deadline = time.monotonic() + 120
+        while " at http://" not in out:  # the CLI prints its URL once it serves
+            assert time.monotonic() < deadline
+            assert thread.is_alive()
+            time.sleep(0.05)
+            out += capsys.readouterr().out
+        url = out.split(" at ", 1)[1].split()[0]
+        status, resp = _call("GET", f"{url}/get_weight_version")
         assert (status, resp) == (200, {"weight_version": "cli"})
     finally:
         stop.set()
         thread.join(timeout=30)
     assert result == [0]
-    assert f"at http://127.0.0.1:{port}" in capsys.readouterr().out
     assert main(["serve", "--model-path", "/no/such/dir"]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -9,11 +9,19 @@ same methods on an in-process :class:`~miles_rollout.Engine` without HTTP.
 
 Errors: bad input raises ``ValueError`` from both clients (HTTP 400 becomes ``ValueError``
 carrying the server's message); any other HTTP failure raises :class:`SGLangHTTPError`.
+
+Retries (``SGLangClient``): a connection error, a timeout or an HTTP 5xx (503 when an engine's
+queue is full, 500/502 from a router whose worker died) is retried with exponential backoff,
+honouring ``Retry-After``; a 4xx never is (the request itself is wrong). Idempotent calls retry
+``retries`` times; ``generate`` retries ``generate_retries`` times (default 0: a retried
+generate may run twice on the engine, which RL rollouts tolerate and other callers may not).
+Through a router a retry may land on another engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
@@ -28,16 +36,22 @@ from miles_transfer.push import deserialize_named_tensors
 __all__ = ["EngineClient", "LocalEngineClient", "SGLangClient", "SGLangHTTPError"]
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+MAX_BACKOFF_S = 10.0  # one wait between retries at most (Retry-After included)
+
+logger = logging.getLogger(__name__)
 
 
 class SGLangHTTPError(RuntimeError):
     """An HTTP error other than 400 (which raises ``ValueError``)."""
 
-    def __init__(self, status: int, path: str, message: str) -> None:
+    def __init__(
+        self, status: int, path: str, message: str, *, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(f"HTTP {status} from {path}: {message}")
         self.status = status
         self.path = path
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 @runtime_checkable
@@ -99,13 +113,17 @@ class SGLangClient:
 
     Args:
         base_url: e.g. ``"http://127.0.0.1:30000"``.
-        timeout: seconds for a whole request (generation included); ``None`` waits forever.
+        timeout: seconds for one attempt of a request (generation included); ``None`` waits
+            forever.
         api_key: sent as ``Authorization: Bearer <api_key>``.
         headers: extra headers for every request.
-        retries: how many times an idempotent call is retried after a connection error
-            (exponential backoff from ``backoff_s``). ``generate`` and weight updates are
-            never retried: they could run twice.
-        backoff_s: the first retry delay.
+        retries: how many times an idempotent call is retried after a connection error,
+            a timeout or an HTTP 5xx (exponential backoff from ``backoff_s``). Weight updates
+            are never retried: they could apply twice.
+        backoff_s: the first retry delay (doubling, at most ``MAX_BACKOFF_S``; a server's
+            ``Retry-After`` raises it).
+        generate_retries: how many times ``generate`` is retried on the same failures
+            (a timeout included); 0 never (see the module docstring).
     """
 
     def __init__(
@@ -117,9 +135,15 @@ class SGLangClient:
         headers: Mapping[str, str] | None = None,
         retries: int = 3,
         backoff_s: float = 0.2,
+        generate_retries: int = 0,
     ) -> None:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
+        if generate_retries < 0:
+            raise ValueError(f"generate_retries must be >= 0, got {generate_retries}")
+        if backoff_s < 0:
+            raise ValueError(f"backoff_s must be >= 0, got {backoff_s}")
+        self.generate_retries = generate_retries
         self.base_url = base_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._headers = dict(headers or {})
@@ -160,24 +184,50 @@ class SGLangClient:
         idempotent: bool,
         headers: Mapping[str, str] | None = None,
         expect_json: bool = True,
+        retries: int | None = None,
     ) -> Any:
-        attempts = 1 + (self._retries if idempotent else 0)
-        for attempt in range(attempts):
+        if retries is None:
+            retries = self._retries if idempotent else 0
+        for attempt in range(retries + 1):
             try:
-                async with self._get_session().request(
-                    method, self.base_url + path, json=body, headers=headers
-                ) as resp:
-                    raw = await resp.read()
-                    if resp.status >= 400:
-                        raise _http_error(resp.status, path, raw)
-                    if not expect_json:
-                        return raw.decode(errors="replace")
-                    return await resp.json(content_type=None) if raw.strip() else None
-            except aiohttp.ClientConnectionError:
-                if attempt + 1 == attempts:
+                return await self._attempt(method, path, body, headers, expect_json)
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, SGLangHTTPError) as exc:
+                if not _retryable(exc) or attempt == retries:
                     raise
-                await asyncio.sleep(self._backoff_s * 2**attempt)
+                delay = min(self._backoff_s * 2**attempt, MAX_BACKOFF_S)
+                after = getattr(exc, "retry_after_s", None)
+                if after is not None:
+                    delay = min(max(delay, after), MAX_BACKOFF_S)
+                logger.warning(
+                    "%s %s%s failed (%s); retry %d of %d in %.1f s",
+                    method,
+                    self.base_url,
+                    path,
+                    _describe(exc),
+                    attempt + 1,
+                    retries,
+                    delay,
+                )
+                await asyncio.sleep(delay)
         raise AssertionError("unreachable")
+
+    async def _attempt(
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        headers: Mapping[str, str] | None,
+        expect_json: bool,
+    ) -> Any:
+        async with self._get_session().request(
+            method, self.base_url + path, json=body, headers=headers
+        ) as resp:
+            raw = await resp.read()
+            if resp.status >= 400:
+                raise _http_error(resp.status, path, raw, resp.headers.get("Retry-After"))
+            if not expect_json:
+                return raw.decode(errors="replace")
+            return await resp.json(content_type=None) if raw.strip() else None
 
     async def generate(
         self,
@@ -215,13 +265,21 @@ class SGLangClient:
         if return_routed_experts:
             body["return_routed_experts"] = True
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
-        resp = await self._request("POST", "/generate", body, idempotent=False, headers=headers)
+        resp = await self._request(
+            "POST",
+            "/generate",
+            body,
+            idempotent=False,
+            headers=headers,
+            retries=self.generate_retries,
+        )
         return parse_generate_response(resp, prompt_tokens=len(body["input_ids"]))
 
     async def health(self) -> bool:
-        """``GET /health``: True on HTTP 200, False on 5xx or no connection."""
+        """``GET /health``: True on HTTP 200, False on 5xx or no connection (asked once: a
+        probe reports the state now)."""
         try:
-            await self._request("GET", "/health", idempotent=True, expect_json=False)
+            await self._request("GET", "/health", idempotent=True, expect_json=False, retries=0)
         except (SGLangHTTPError, aiohttp.ClientError, asyncio.TimeoutError):
             return False
         return True
@@ -326,7 +384,32 @@ class SGLangClient:
         return {str(k): str(v) for k, v in resp.items()}
 
 
-def _http_error(status: int, path: str, raw: bytes) -> Exception:
+def _retryable(exc: BaseException) -> bool:
+    """Connection errors, timeouts and 5xx: the server (or the way to it) failed, not the
+    request. A 4xx is the request's own fault and fails the same way again."""
+    if isinstance(exc, SGLangHTTPError):
+        return exc.status >= 500
+    return isinstance(exc, aiohttp.ClientConnectionError | asyncio.TimeoutError)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in seconds (the delta-seconds form; an HTTP date is ignored)."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 else None
+
+
+def _http_error(status: int, path: str, raw: bytes, retry_after: str | None = None) -> Exception:
     text = raw.decode(errors="replace")
     message = text
     try:
@@ -345,7 +428,7 @@ def _http_error(status: int, path: str, raw: bytes) -> Exception:
         pass
     if status == 400:
         return ValueError(message)
-    return SGLangHTTPError(status, path, message)
+    return SGLangHTTPError(status, path, message, retry_after_s=_retry_after(retry_after))
 
 
 def _check_success(resp: Any, path: str) -> None:

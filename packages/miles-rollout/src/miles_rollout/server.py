@@ -5,6 +5,13 @@
 Field names follow SGLang 0.5.x (``http_server.py`` / ``io_struct.py``); the endpoint table and
 what was checked how are in the package README. Errors are JSON ``{"error": {"message": ...}}``
 (400 for bad input, 500 otherwise), as SGLang's ``_create_error_response`` shapes them.
+
+Bounds: with ``api_key`` every request but ``GET /health`` needs ``Authorization: Bearer <key>``
+(401 otherwise, checked before the body is read; see :mod:`miles_rollout.auth`); a body over
+``max_request_mb`` gets 413; generate requests beyond the engine's batch plus
+``max_queued_requests`` waiting get 503 with ``Retry-After`` (nothing is queued); a client that
+disconnects, and a ``/health_generate`` probe that times out, take their request out of the
+engine's queue.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from miles_rollout._http_generate import parse_generate, response_dict
 from miles_rollout._metrics import prometheus_text
+from miles_rollout.auth import auth_middleware, check_bind
 from miles_rollout.client import ROUTING_KEY_HEADER
 from miles_rollout.engine import Engine
 from miles_rollout.sampling_params import SamplingParams
@@ -33,6 +41,9 @@ __all__ = ["ServerHandle", "serve"]
 logger = logging.getLogger(__name__)
 
 _HEALTH_GENERATE_TIMEOUT_S = 20.0
+DEFAULT_MAX_REQUEST_MB = 64.0
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+RETRY_AFTER_S = 1
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -64,6 +75,12 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except ValueError as exc:
         return _error(400, str(exc))
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _error(
+            413,
+            f"the request body is larger than this server accepts ({exc.text}); send smaller "
+            "batches, or raise the server's --max-request-mb",
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -94,11 +111,31 @@ def _pop_known(body: dict[str, Any], allowed: set[str], endpoint: str) -> None:
         raise ValueError(f"unknown fields for {endpoint}: {unknown}; allowed: {sorted(allowed)}")
 
 
-class _Routes:
-    """The request handlers; blocking engine calls run in the default executor."""
+def _overloaded(capacity: int) -> web.Response:
+    response = _error(
+        503,
+        f"the engine's queue is full ({capacity} requests running or waiting); retry after "
+        f"{RETRY_AFTER_S} s, lower the client's concurrency, or raise --max-queued-requests",
+    )
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
-    def __init__(self, engine: Engine) -> None:
+
+class _Routes:
+    """The request handlers; blocking engine calls run in the default executor.
+
+    ``capacity`` bounds the generate requests (prompts) in flight: the engine's batch plus the
+    waiting queue. ``pending`` counts them; the event loop thread is the only writer.
+    """
+
+    def __init__(
+        self, engine: Engine, *, max_queued_requests: int, health_generate_timeout_s: float
+    ) -> None:
         self.engine = engine
+        running = engine.config.max_running_requests * engine.dp_size
+        self.capacity = running + max_queued_requests
+        self.pending = 0
+        self.health_generate_timeout_s = health_generate_timeout_s
 
     async def _run(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, fn)
@@ -107,10 +144,14 @@ class _Routes:
         body = await _body(request)
         start = time.monotonic()
         parsed = parse_generate(body, self.engine.tokenizer)
+        n = len(parsed.items)
+        if self.pending + n > self.capacity:
+            return _overloaded(self.capacity)
         # The session key: sglang-router forwards this header; SGLang's own body field is the
         # fallback (the header wins when both are there).
         header_key = request.headers.get(ROUTING_KEY_HEADER)
         futures = []
+        self.pending += n
         try:
             for item in parsed.items:
                 futures.append(
@@ -126,9 +167,11 @@ class _Routes:
                 )
             outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         except BaseException:
-            for f in futures:
+            for f in futures:  # a client that went away: out of the engine's queue
                 f.cancel()
             raise
+        finally:
+            self.pending -= n
         latency = time.monotonic() - start
         results = [
             response_dict(out, item, self.engine.tokenizer, latency)
@@ -145,11 +188,17 @@ class _Routes:
         states = self.engine.server_info()["internal_states"]
         if any(st["paused"] or st["num_running_reqs"] for st in states):
             return web.Response(status=200)  # busy or paused: the thread is alive, as SGLang
+        if self.pending + 1 > self.capacity:
+            return _overloaded(self.capacity)
         fut = self.engine.submit([0], SamplingParams(max_new_tokens=1, temperature=0.0))
+        self.pending += 1
         try:
-            await asyncio.wait_for(asyncio.wrap_future(fut), _HEALTH_GENERATE_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.wrap_future(fut), self.health_generate_timeout_s)
         except asyncio.TimeoutError:
             return web.Response(status=503)
+        finally:
+            fut.cancel()  # a probe that timed out (or whose caller left) leaves the queue
+            self.pending -= 1
         return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -311,10 +360,32 @@ class _Routes:
         return web.json_response(await self._run(lambda: self.engine.weights_checksum(names)))
 
 
-def build_app(engine: Engine) -> web.Application:
-    """The aiohttp application (exposed for embedding in another aiohttp server)."""
-    r = _Routes(engine)
-    app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
+def build_app(
+    engine: Engine,
+    *,
+    api_key: str | None = None,
+    max_request_mb: float = DEFAULT_MAX_REQUEST_MB,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    health_generate_timeout_s: float = _HEALTH_GENERATE_TIMEOUT_S,
+) -> web.Application:
+    """The aiohttp application (exposed for embedding in another aiohttp server).
+
+    Arguments as :func:`serve`.
+    """
+    if not max_request_mb > 0:
+        raise ValueError(f"max_request_mb must be > 0, got {max_request_mb}")
+    if max_queued_requests < 0:
+        raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+    r = _Routes(
+        engine,
+        max_queued_requests=max_queued_requests,
+        health_generate_timeout_s=health_generate_timeout_s,
+    )
+    # The key is checked first, before anything reads the body.
+    app = web.Application(
+        middlewares=[auth_middleware(api_key), _errors],
+        client_max_size=int(max_request_mb * 2**20),
+    )
     get, post = web.get, web.post
     app.add_routes(
         [
@@ -366,20 +437,57 @@ class ServerHandle:
         self.close()
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
+def serve(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    api_key: str | None = None,
+    insecure_no_auth: bool = False,
+    max_request_mb: float = DEFAULT_MAX_REQUEST_MB,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    health_generate_timeout_s: float = _HEALTH_GENERATE_TIMEOUT_S,
+    sock: socket.socket | None = None,
+) -> ServerHandle:
     """Serve ``engine`` over HTTP from a background thread; return once it accepts requests.
 
     Args:
         engine: the engine to expose.
         host: the address to bind (loopback by default).
         port: the TCP port; ``0`` picks a free one (see ``handle.port``).
+        api_key: require ``Authorization: Bearer <api_key>`` on every request but
+            ``GET /health`` (:mod:`miles_rollout.auth`).
+        insecure_no_auth: allow a non-loopback ``host`` without ``api_key``.
+        max_request_mb: the largest request body accepted (413 above it).
+        max_queued_requests: generate requests that may wait beyond the engine's batch
+            (``max_running_requests`` per DP rank); more get 503 with ``Retry-After``.
+        health_generate_timeout_s: ``/health_generate`` answers 503 when its one-token
+            generation takes longer (and takes it out of the queue).
+        sock: an already bound listening socket to serve on instead of ``host:port`` (a caller
+            that bound port 0 itself passes the socket on, never the number).
+
+    Raises:
+        ValueError: a non-loopback ``host`` without ``api_key`` or ``insecure_no_auth``, or a
+            bad bound.
+        OSError: the address cannot be bound (e.g. the port is in use).
     """
+    if sock is not None:
+        host = sock.getsockname()[0]
+    check_bind(host, api_key, insecure_no_auth=insecure_no_auth, what="the engine server")
+    app = build_app(
+        engine,
+        api_key=api_key,
+        max_request_mb=max_request_mb,
+        max_queued_requests=max_queued_requests,
+        health_generate_timeout_s=health_generate_timeout_s,
+    )
     logging.getLogger("aiohttp.server").addFilter(_PROBE_FILTER)  # idempotent (same object)
-    sock = socket.create_server((host, port))
+    if sock is None:
+        sock = socket.create_server((host, port))
     bound_port = sock.getsockname()[1]
     loop = asyncio.new_event_loop()
     # Cancel a generate handler when its client disconnects, so the engine drops the request.
-    runner = web.AppRunner(build_app(engine), handle_signals=False, handler_cancellation=True)
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
     started = threading.Event()
     failure: list[BaseException] = []
 

@@ -58,6 +58,9 @@ def add_parser(sub: Any) -> None:
     f.add_argument("--replace-dead-engines", action="store_true")
     f.add_argument("--log-dir", default=None, help="default: a new temporary directory")
     f.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
+    from miles_rollout.cli import add_auth_flags
+
+    add_auth_flags(f)
 
 
 def _router_args(items: list[str]) -> dict[str, Any]:
@@ -82,28 +85,28 @@ def run(args: argparse.Namespace, extra: list[str], *, stop: threading.Event | N
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+    from miles_rollout.auth import resolve_api_key
+
     prefix = "sglang-" if args.backend == "sglang" else "engine-"
-    try:
-        passthrough = parse_passthrough(extra, prefix)
-        config = FleetConfig(
-            model_path=args.model_path,
-            engines=args.engines,
-            dp_size=args.dp_size,
-            backend=args.backend,
-            router_port=args.router_port,
-            host=args.host,
-            engine_args=passthrough if args.backend == "embedded" else {},
-            sglang_args=passthrough if args.backend == "sglang" else {},
-            sglang_python=args.sglang_python,
-            command=shlex.split(args.engine_command) if args.engine_command else None,
-            router_args=_router_args(args.router_arg),
-            replace_dead_engines=args.replace_dead_engines,
-            log_dir=args.log_dir,
-            startup_timeout_s=args.startup_timeout,
-        )
-    except ValueError as exc:
-        print(f"miles-rollout fleet: error: {exc}", file=sys.stderr)
-        return 2
+    passthrough = parse_passthrough(extra, prefix)
+    config = FleetConfig(
+        model_path=args.model_path,
+        engines=args.engines,
+        dp_size=args.dp_size,
+        backend=args.backend,
+        router_port=args.router_port,
+        host=args.host,
+        engine_args=passthrough if args.backend == "embedded" else {},
+        sglang_args=passthrough if args.backend == "sglang" else {},
+        sglang_python=args.sglang_python,
+        command=shlex.split(args.engine_command) if args.engine_command else None,
+        router_args=_router_args(args.router_arg),
+        replace_dead_engines=args.replace_dead_engines,
+        log_dir=args.log_dir,
+        startup_timeout_s=args.startup_timeout,
+        api_key=resolve_api_key(args.api_key),
+        insecure_no_auth=args.insecure_no_auth,
+    )
 
     started = threading.Event()
     if stop is None:
@@ -136,8 +139,5 @@ def run(args: argparse.Namespace, extra: list[str], *, stop: threading.Event | N
         return 0
     except _Interrupted:
         return 130
-    except (OSError, RuntimeError) as exc:  # StartupError, no router binary
-        print(f"miles-rollout fleet: error: {exc}", file=sys.stderr)
-        return 1
     finally:
         fleet.close()

@@ -58,6 +58,11 @@ class FleetConfig:
         weight_format: the precision every engine serves (``EngineConfig.weight_format``):
             ``--weight-format`` of the embedded backend, SGLang's ``--quantization`` /
             ``--dtype`` for the sglang backend (``fleet.sglang.quantization_args``).
+        api_key: every engine and the router demand ``Authorization: Bearer <api_key>``
+            (the router sends it on to the engines); ``None``: no auth. The embedded engines
+            get it as ``MILES_API_KEY`` in their environment (not on a command line that
+            ``ps`` shows); SGLang and the router take ``--api-key``.
+        insecure_no_auth: allow a non-loopback ``host`` without ``api_key``.
     """
 
     model_path: str
@@ -79,6 +84,8 @@ class FleetConfig:
     stop_timeout_s: float = 15.0
     monitor_interval_s: float = 0.5
     weight_format: str | None = None
+    api_key: str | None = None
+    insecure_no_auth: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -127,6 +134,18 @@ class FleetConfig:
         for name in ("startup_timeout_s", "stop_timeout_s", "monitor_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name, args in (("engine_args", self.engine_args), ("sglang_args", self.sglang_args)):
+            if any(k.replace("-", "_") in ("api_key", "insecure_no_auth") for k in args):
+                raise ValueError(f"{name} sets the API key: use FleetConfig.api_key instead")
+        if any(k.replace("-", "_") == "api_key" for k in self.router_args):
+            raise ValueError("router_args sets the API key: use FleetConfig.api_key instead")
+        from miles_rollout.auth import check_bind, resolve_api_key
+
+        if self.api_key is not None:
+            resolve_api_key(self.api_key)  # the same rules as --api-key
+        check_bind(
+            self.host, self.api_key, insecure_no_auth=self.insecure_no_auth, what="the fleet"
+        )
 
     def build(self) -> Fleet:
         """The fleet, not started yet: call :meth:`Fleet.start` or use it as a context manager."""

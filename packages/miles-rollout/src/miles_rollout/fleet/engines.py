@@ -8,6 +8,7 @@ the process must stay up, its URL is known (the embedded engine binds port 0 and
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import sys
@@ -27,6 +28,7 @@ __all__ = [
     "EngineCommand",
     "StartupError",
     "engine_command",
+    "engine_env",
     "free_port",
     "wait_for",
     "wait_healthy",
@@ -55,10 +57,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def engine_command(cfg: FleetConfig, index: int) -> EngineCommand:
-    """The command line of engine ``index`` for ``cfg.backend``."""
+    """The command line of engine ``index`` for ``cfg.backend`` (the embedded backend's API
+    key travels in the environment: :func:`engine_env`)."""
     if cfg.backend == "embedded":
         argv = [sys.executable, "-m", "miles_rollout.cli", "serve"]
         argv += ["--model-path", cfg.model_path, "--host", cfg.host, "--port", "0"]
+        if cfg.insecure_no_auth:
+            argv.append("--insecure-no-auth")
         if cfg.dp_size > 1:
             argv += ["--dp-size", str(cfg.dp_size)]
         args: dict[str, Any] = dict(cfg.engine_args)
@@ -68,13 +73,16 @@ def engine_command(cfg: FleetConfig, index: int) -> EngineCommand:
         return EngineCommand(argv + cli_flags(args), 0)
     port = free_port(cfg.host)
     if cfg.backend == "sglang":
+        sglang_args = dict(cfg.sglang_args)
+        if cfg.api_key is not None:
+            sglang_args["api_key"] = cfg.api_key
         argv = sglang_argv(
             index=index,
             model_path=cfg.model_path,
             host=cfg.host,
             port=port,
             dp_size=cfg.dp_size,
-            sglang_args=cfg.sglang_args,
+            sglang_args=sglang_args,
             python=cfg.sglang_python,
             weight_format=cfg.weight_format,
         )
@@ -88,6 +96,20 @@ def engine_command(cfg: FleetConfig, index: int) -> EngineCommand:
         "index": index,
     }
     return EngineCommand([part.format(**values) for part in cfg.command], port)
+
+
+def engine_env(cfg: FleetConfig) -> dict[str, str]:
+    """The engines' environment: this process's plus ``cfg.engine_env``, with
+    ``MILES_API_KEY`` set to the fleet's key (what ``miles-rollout serve`` and a ``command``
+    engine read), or removed when the fleet has none (an inherited key would lock the
+    router out)."""
+    from miles_rollout.auth import API_KEY_ENV
+
+    env = {**os.environ, **cfg.engine_env}
+    env.pop(API_KEY_ENV, None)
+    if cfg.api_key is not None:
+        env[API_KEY_ENV] = cfg.api_key
+    return env
 
 
 def wait_for(

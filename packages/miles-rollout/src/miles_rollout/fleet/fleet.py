@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import tempfile
 import threading
 import time
@@ -31,6 +30,7 @@ from miles_rollout.fleet.engines import (
     EngineCommand,
     StartupError,
     engine_command,
+    engine_env,
     free_port,
     wait_for,
     wait_healthy,
@@ -186,7 +186,7 @@ class Fleet:
 
     def _spawn_engine(self, index: int) -> tuple[int, ChildProcess, EngineCommand]:
         command = engine_command(self.config, index)
-        env = {**os.environ, **self.config.engine_env} if self.config.engine_env else None
+        env = engine_env(self.config)
         log = self._log_dir / f"engine-{index}.log"
         child = self._spawner.spawn(f"engine {index}", command.argv, log, env)
         return index, child, command
@@ -257,10 +257,13 @@ class Fleet:
                 port=port,
                 prometheus_port=metrics_port,
                 router_args=cfg.router_args,
+                api_key=cfg.api_key,
             )
             self.router = self._spawner.spawn("router", argv, self._log_dir / "router.log")
             self.url = f"http://{cfg.host}:{port}"
-            self._api = RouterAPI(self.url, f"http://{cfg.host}:{metrics_port}/metrics")
+            self._api = RouterAPI(
+                self.url, f"http://{cfg.host}:{metrics_port}/metrics", api_key=cfg.api_key
+            )
             try:
                 wanted: set[str] = set().union(*(self._worker_urls(u) for u in urls))
                 wait_for(
@@ -356,7 +359,7 @@ class Fleet:
         self._next_stats = now + _STATS_INTERVAL_S
         for engine in list(self.engines):
             if engine.alive:
-                stats = _engine_stats(engine.url)
+                stats = _engine_stats(engine.url, self.config.api_key)
                 if stats:
                     engine.last_stats = stats
         if self._api is None or self._router_died:
@@ -400,10 +403,13 @@ class Fleet:
         return out
 
 
-def _engine_stats(url: str) -> dict[str, float]:
+def _engine_stats(url: str, api_key: str | None) -> dict[str, float]:
     """The numeric ``internal_states`` of ``/get_server_info``, summed over DP ranks."""
+    from miles_rollout.auth import auth_headers
+
+    req = urllib.request.Request(url + "/get_server_info", headers=auth_headers(api_key))
     try:
-        with urllib.request.urlopen(url + "/get_server_info", timeout=2.0) as resp:
+        with urllib.request.urlopen(req, timeout=2.0) as resp:
             info = json.loads(resp.read())
     except (OSError, ValueError):
         return {}

@@ -77,9 +77,13 @@ def router_argv(
     port: int,
     prometheus_port: int,
     router_args: Mapping[str, Any],
+    api_key: str | None = None,
 ) -> list[str]:
-    """``sglang-router launch ...`` with :data:`ROUTER_DEFAULTS` updated by ``router_args``."""
+    """``sglang-router launch ...`` with :data:`ROUTER_DEFAULTS` updated by ``router_args``;
+    ``api_key``: ``--api-key`` (demanded from clients, sent on to the workers)."""
     args = {**ROUTER_DEFAULTS, **{k.replace("-", "_"): v for k, v in router_args.items()}}
+    if api_key is not None:
+        args["api_key"] = api_key
     argv = [binary, "launch", "--worker-urls", *worker_urls]
     argv += ["--host", host, "--port", str(port)]
     argv += ["--prometheus-host", host, "--prometheus-port", str(prometheus_port)]
@@ -107,16 +111,21 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
 class RouterAPI:
     """Blocking calls to the router's management endpoints and its Prometheus exporter."""
 
-    def __init__(self, url: str, metrics_url: str, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, url: str, metrics_url: str, timeout_s: float = 5.0, api_key: str | None = None
+    ) -> None:
         self.url = url
         self.metrics_url = metrics_url
         self.timeout_s = timeout_s
+        self._api_key = api_key
 
     def _call(self, method: str, url: str, body: Any = None) -> tuple[int, bytes]:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(url, data=data, method=method)
         if data is not None:
             req.add_header("Content-Type", "application/json")
+        if self._api_key:
+            req.add_header("Authorization", f"Bearer {self._api_key}")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return int(resp.status), bytes(resp.read())
@@ -143,7 +152,12 @@ class RouterAPI:
         Raises:
             RuntimeError: the router refused it.
         """
-        status, raw = self._call("POST", self.url + "/workers", {"url": url})
+        body = {"url": url}
+        if self._api_key:
+            # A worker added at run time gets only the key named here (the launch --api-key
+            # covers the launch --worker-urls).
+            body["api_key"] = self._api_key
+        status, raw = self._call("POST", self.url + "/workers", body)
         if status >= 300:
             raise RuntimeError(f"the router refused to add {url}: HTTP {status} {raw[:300]!r}")
 

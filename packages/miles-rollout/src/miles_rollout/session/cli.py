@@ -6,13 +6,14 @@ agent at ``http://HOST:PORT/sessions/<id>/v1`` after ``POST /sessions``.
 Laptop:   miles-rollout serve --model-path DIR --port 30000 &
           miles-rollout sessions --engine-url http://127.0.0.1:30000 --model-path DIR --port 8000
 Cluster:  --engine-url of an SGLang server or an sglang-router (sessions stick by routing key).
+
+``--api-key`` (default ``$MILES_API_KEY``) protects this server and is sent to the engine unless
+``--engine-api-key`` names another key.
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
-import sys
 import threading
 from typing import Any
 
@@ -38,12 +39,33 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="MoE engines (R3): export each sample's routed experts",
     )
+    from miles_rollout.cli import add_auth_flags
+
+    add_auth_flags(p)
+    p.add_argument("--engine-api-key", default=None, help="the engine's key (default: --api-key)")
+    p.add_argument("--max-request-mb", type=float, default=64.0, help="413 above it")
+    p.add_argument(
+        "--max-pending-turns",
+        type=int,
+        default=1024,
+        help="chat turns in flight at most; more get 503 + Retry-After",
+    )
 
 
 def run(args: argparse.Namespace, *, stop: threading.Event | None = None) -> int:
-    """Serve until ``stop`` is set (default: SIGINT / SIGTERM); return the exit status."""
+    """Serve until ``stop`` is set (default: SIGINT / SIGTERM); return the exit status.
+
+    Raises:
+        ValueError, OSError: bad flags, no tokenizer, a busy port (``miles-rollout`` prints
+            them as one line).
+    """
+    from miles_rollout._cli_errors import is_listen_error, listen_error
+    from miles_rollout.auth import resolve_api_key
+    from miles_rollout.cli import wait_for_stop
     from miles_rollout.session.server import serve_sessions
 
+    api_key = resolve_api_key(args.api_key)
+    engine_key = resolve_api_key(args.engine_api_key) if args.engine_api_key else api_key
     try:
         handle = serve_sessions(
             args.engine_url,
@@ -54,15 +76,19 @@ def run(args: argparse.Namespace, *, stop: threading.Event | None = None) -> int
             engine_timeout_s=args.engine_timeout,
             context_length=args.context_length,
             return_routed_experts=args.return_routed_experts,
+            api_key=api_key,
+            engine_api_key=engine_key,
+            insecure_no_auth=args.insecure_no_auth,
+            max_request_mb=args.max_request_mb,
+            max_pending_turns=args.max_pending_turns,
         )
-    except (ValueError, OSError) as exc:
-        print(f"miles-rollout: error: {exc}", file=sys.stderr)
-        return 2
+    except OSError as exc:
+        if not is_listen_error(exc):  # e.g. tokenizer files that cannot be read
+            raise
+        raise listen_error(exc, args.host, args.port, "the session server") from exc
     print(f"miles-rollout sessions for {args.engine_url} at {handle.url}", flush=True)
-    if stop is None:
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set() if stop is not None else None)
-    stop.wait()
-    handle.close()
+    try:
+        wait_for_stop(stop)
+    finally:
+        handle.close()
     return 0

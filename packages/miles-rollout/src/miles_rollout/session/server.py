@@ -13,6 +13,12 @@ completions``, ``GET /sessions/{id}/samples``, ``GET /sessions/{id}``, ``DELETE
 Errors are OpenAI-shaped JSON ``{"error": {"message", "type", "code"}}``: 400 for bad input
 (nothing changes in the session), 404 for an unknown session, 409 for a taken session id, 502
 when the engine fails, times out or aborts the turn (the session keeps its completed turns).
+
+Bounds: with ``api_key`` every request but ``GET /health`` needs ``Authorization: Bearer <key>``
+(401); ``engine_api_key`` is what the server sends to the engine. A body over
+``max_request_mb`` gets 413; chat turns beyond ``max_pending_turns`` in flight get 503 with
+``Retry-After``; a client that disconnects cancels its turn (and its engine request) before
+anything is committed to the session.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from miles_rollout.auth import auth_middleware, check_bind
 from miles_rollout.client import EngineClient, SGLangClient, SGLangHTTPError
 from miles_rollout.sampling_params import SamplingParams
 from miles_rollout.session.protocol import ChatRequest, chat_completion, parse_chat_request
@@ -52,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+DEFAULT_MAX_REQUEST_MB = 64.0
+DEFAULT_MAX_PENDING_TURNS = 1024
+RETRY_AFTER_S = 1
 
 
 class _UpstreamError(Exception):
@@ -59,9 +69,13 @@ class _UpstreamError(Exception):
 
 
 def _error(status: int, message: str) -> web.Response:
-    kind = {404: "not_found_error", 409: "conflict_error", 502: "upstream_error"}.get(
-        status, "invalid_request_error" if status < 500 else "internal_error"
-    )
+    kind = {
+        404: "not_found_error",
+        409: "conflict_error",
+        413: "request_too_large",
+        502: "upstream_error",
+        503: "overloaded_error",
+    }.get(status, "invalid_request_error" if status < 500 else "internal_error")
     body = {"error": {"message": message, "type": kind, "code": status}}
     return web.json_response(body, status=status)
 
@@ -74,6 +88,12 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error(400, str(exc))
     except _UpstreamError as exc:
         return _error(502, str(exc))
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _error(
+            413,
+            f"the request body is larger than this server accepts ({exc.text}); shorten the "
+            "conversation, or raise the session server's --max-request-mb",
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -115,8 +135,11 @@ class _Routes:
         model_name: str,
         context_length: int | None,
         return_routed_experts: bool = False,
+        max_pending_turns: int = DEFAULT_MAX_PENDING_TURNS,
     ) -> None:
         self.client = client
+        self.max_pending_turns = max_pending_turns
+        self.pending_turns = 0
         self.renderer = renderer
         self.model_name = model_name
         self._context_length = context_length
@@ -193,8 +216,21 @@ class _Routes:
     async def chat(self, request: web.Request) -> web.Response:
         s = self._session(request)
         req = parse_chat_request(await _json_body(request))
-        async with s.lock:
-            return web.json_response(await self._turn(s, req))
+        if self.pending_turns >= self.max_pending_turns:
+            response = _error(
+                503,
+                f"{self.pending_turns} chat turns are in flight, the most this server queues; "
+                f"retry after {RETRY_AFTER_S} s, lower the agents' concurrency, or raise "
+                "--max-pending-turns",
+            )
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return response
+        self.pending_turns += 1
+        try:
+            async with s.lock:
+                return web.json_response(await self._turn(s, req))
+        finally:
+            self.pending_turns -= 1
 
     async def _turn(self, s: _Session, req: ChatRequest) -> dict[str, Any]:
         current = s.samples[-1]
@@ -307,16 +343,28 @@ def build_session_app(
     model_name: str = "miles",
     context_length: int | None = None,
     return_routed_experts: bool = False,
+    api_key: str | None = None,
+    max_request_mb: float = DEFAULT_MAX_REQUEST_MB,
+    max_pending_turns: int = DEFAULT_MAX_PENDING_TURNS,
 ) -> web.Application:
-    """The aiohttp application (for embedding in another aiohttp server)."""
+    """The aiohttp application (for embedding in another aiohttp server); arguments as
+    :func:`serve_sessions`."""
+    if not max_request_mb > 0:
+        raise ValueError(f"max_request_mb must be > 0, got {max_request_mb}")
+    if max_pending_turns < 1:
+        raise ValueError(f"max_pending_turns must be >= 1, got {max_pending_turns}")
     r = _Routes(
         client,
         renderer,
         model_name=model_name,
         context_length=context_length,
         return_routed_experts=return_routed_experts,
+        max_pending_turns=max_pending_turns,
     )
-    app = web.Application(middlewares=[_errors], client_max_size=1 << 28)
+    app = web.Application(
+        middlewares=[auth_middleware(api_key), _errors],
+        client_max_size=int(max_request_mb * 2**20),
+    )
     app.add_routes(
         [
             web.post("/sessions", r.create),
@@ -383,25 +431,43 @@ async def start_sessions(
     context_length: int | None = None,
     model_name: str | None = None,
     return_routed_experts: bool = False,
+    api_key: str | None = None,
+    engine_api_key: str | None = None,
+    insecure_no_auth: bool = False,
+    max_request_mb: float = DEFAULT_MAX_REQUEST_MB,
+    max_pending_turns: int = DEFAULT_MAX_PENDING_TURNS,
 ) -> SessionServer:
     """Start a session server in the running event loop; ``await server.close()`` to stop.
 
     For rollouts whose agents run in the same loop (``generate_rollout`` uses it). Arguments
     as :func:`serve_sessions`; pass a loaded ``tokenizer`` (loading one would block the loop).
     """
+    check_bind(host, api_key, insecure_no_auth=insecure_no_auth, what="the session server")
     renderer = _renderer(tokenizer, model_path, template_family, template_kwargs)
     name = model_name or (Path(model_path).name if model_path is not None else "miles")
-    client = SGLangClient(engine, timeout=engine_timeout_s) if isinstance(engine, str) else engine
+    client = (
+        SGLangClient(engine, timeout=engine_timeout_s, api_key=engine_api_key, generate_retries=2)
+        if isinstance(engine, str)
+        else engine
+    )
     app = build_session_app(
         client,
         renderer,
         model_name=name,
         context_length=context_length,
         return_routed_experts=return_routed_experts,
+        api_key=api_key,
+        max_request_mb=max_request_mb,
+        max_pending_turns=max_pending_turns,
     )
-    runner = web.AppRunner(app, handle_signals=False)
+    # A client that disconnects cancels its handler, and with it the engine request.
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
     await runner.setup()
-    sock = socket.create_server((host, port))
+    try:
+        sock = socket.create_server((host, port))
+    except BaseException:
+        await runner.cleanup()
+        raise
     try:
         await web.SockSite(runner, sock).start()
     except BaseException:
@@ -453,6 +519,11 @@ def serve_sessions(
     context_length: int | None = None,
     model_name: str | None = None,
     return_routed_experts: bool = False,
+    api_key: str | None = None,
+    engine_api_key: str | None = None,
+    insecure_no_auth: bool = False,
+    max_request_mb: float = DEFAULT_MAX_REQUEST_MB,
+    max_pending_turns: int = DEFAULT_MAX_PENDING_TURNS,
 ) -> SessionServerHandle:
     """Serve TITO sessions from a background thread; return once it accepts requests.
 
@@ -472,11 +543,20 @@ def serve_sessions(
         return_routed_experts: MoE engines (R3): ask each turn for the routed experts and
             export them with the sample (needs an engine client whose ``generate`` takes
             ``return_routed_experts``).
+        api_key: require ``Authorization: Bearer <api_key>`` on every request but
+            ``GET /health`` (:mod:`miles_rollout.auth`).
+        engine_api_key: the key sent to the engine when ``engine`` is a URL.
+        insecure_no_auth: allow a non-loopback ``host`` without ``api_key``.
+        max_request_mb: the largest request body accepted (413 above it).
+        max_pending_turns: chat turns in flight at most (waiting for their session or the
+            engine); more get 503 with ``Retry-After``.
 
     Raises:
-        ValueError: no tokenizer, no chat template, or a family that does not fit it.
+        ValueError: no tokenizer, no chat template, a family that does not fit it, or a
+            non-loopback ``host`` without ``api_key`` or ``insecure_no_auth``.
         OSError: the address cannot be bound.
     """
+    check_bind(host, api_key, insecure_no_auth=insecure_no_auth, what="the session server")
     renderer = _renderer(tokenizer, model_path, template_family, template_kwargs)
     loop = asyncio.new_event_loop()
     started = threading.Event()
@@ -498,6 +578,11 @@ def serve_sessions(
                     context_length=context_length,
                     model_name=model_name,
                     return_routed_experts=return_routed_experts,
+                    api_key=api_key,
+                    engine_api_key=engine_api_key,
+                    insecure_no_auth=insecure_no_auth,
+                    max_request_mb=max_request_mb,
+                    max_pending_turns=max_pending_turns,
                 )
             )
         except BaseException as exc:
