@@ -127,7 +127,7 @@ async def run_episode(
             if result.done:
                 stopped = "env_done"
                 break
-        scores = await env.reward()
+        scores = await env.reward(messages)
     finally:
         await env.close()
     info = env.info

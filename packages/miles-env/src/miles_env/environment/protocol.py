@@ -72,8 +72,12 @@ class Environment(Protocol):
         """Run the tool calls of one assistant turn (OpenAI ``tool_calls`` entries)."""
         ...
 
-    async def reward(self) -> dict[str, float]:
-        """Score the episode: named scores, the main one under ``"reward"``."""
+    async def reward(self, messages: list[dict[str, Any]] | None = None) -> dict[str, float]:
+        """Score the episode: named scores, the main one under ``"reward"``.
+
+        ``messages`` is the whole conversation (graders that read the agent's final answer
+        need it); environments that judge their own state ignore it.
+        """
         ...
 
     async def close(self) -> None:

@@ -200,7 +200,7 @@ class TerminalEnv:
             info["notes"].append(f"agent time ({task.agent_timeout_s:g} s) spent")
         return StepResult(messages=out, done=done)
 
-    async def reward(self) -> dict[str, float]:
+    async def reward(self, messages: list[dict[str, Any]] | None = None) -> dict[str, float]:
         """Run the task's verifier on what the agent left; ``{"reward": ..., ...}``.
 
         A verifier that crashes, hangs or writes no reward gives ``{"reward": 0.0}`` and its

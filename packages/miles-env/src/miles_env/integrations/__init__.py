@@ -1,0 +1,13 @@
+"""Environments of agent frameworks as Miles `Environment`s, driven by `run_episode`.
+
+- ``miles_env.integrations.nemo_gym.NemoGymEnv``: a NeMo Gym resources server (tools as
+  ``POST /<tool>``, the reward from ``/verify``).
+- ``miles_env.integrations.openenv.OpenEnvEnv``: an OpenEnv environment server (the action as
+  one tool, reset / step / state over its ``/ws`` session).
+- Harbor task directories: ``miles_env.environment.TerminalEnv`` (native).
+
+Each speaks its framework's wire protocol over HTTP (aiohttp: ``pip install
+'miles-env[rollout]'``), so the framework's server runs in its own Python.
+"""
+
+__all__: list[str] = []

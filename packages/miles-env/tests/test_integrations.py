@@ -1,0 +1,202 @@
+"""Framework integrations against the real frameworks, each run in its own Python (they pin
+other versions of openai / mcp / pydantic than Miles, and NeMo Gym needs Python 3.12): a NeMo
+Gym resources server (``/seed_session``, tools, ``/verify``) and an OpenEnv environment server
+(``create_app``: ``/schema``, the ``/ws`` session) driven by `run_episode` with a scripted
+chat. The frameworks' Pythons come from ``tools/setup_agent_frameworks.sh`` (or
+``MILES_ENV_PYTHON_<NAME>``); without one the test is skipped with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _env_testlib import Loop
+
+from miles_env.environment import run_episode
+
+pytest.importorskip("aiohttp")
+
+HERE = Path(__file__).parent / "frameworks"
+
+
+def framework_python(name: str) -> Path:
+    """The Python of a framework's own environment, or skip."""
+    env = os.environ.get(f"MILES_ENV_PYTHON_{name.upper().replace('-', '_')}")
+    cache = Path(os.environ.get("MILES_CACHE_DIR", Path.home() / ".cache" / "miles"))
+    python = Path(env) if env else cache / "frameworks" / name / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"{name} is not installed: run tools/setup_agent_frameworks.sh ({python})")
+    return python
+
+
+def _serve(python: Path, script: str) -> Iterator[str]:
+    proc = subprocess.Popen(
+        [str(python), str(HERE / script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the server prints its port once it listens
+        m = re.match(r"PORT (\d+)", line)
+        if m is None:
+            proc.kill()
+            raise RuntimeError(f"{script} did not start: {line!r} {proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+        yield f"http://127.0.0.1:{m.group(1)}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def nemo_gym_url() -> Iterator[str]:
+    yield from _serve(framework_python("nemo-gym"), "nemo_gym_server.py")
+
+
+@pytest.fixture(scope="module")
+def openenv_url() -> Iterator[str]:
+    yield from _serve(framework_python("openenv"), "openenv_server.py")
+
+
+def _call(cid: str, name: str, args: Any) -> dict[str, Any]:
+    text = args if isinstance(args, str) else json.dumps(args)
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def _row(a: int, b: int) -> dict[str, Any]:
+    tool = {
+        "type": "function",
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+        "strict": False,
+    }
+    params = {
+        "input": [{"role": "user", "content": f"What is {a} + {b}? Use the add tool."}],
+        "tools": [tool],
+    }
+    return {"id": f"add-{a}-{b}", "responses_create_params": params, "a": a, "b": b}
+
+
+def test_nemo_gym_resources_server(loop: Loop, nemo_gym_url: str) -> None:
+    from miles_env.integrations.nemo_gym import NemoGymEnv
+
+    def agent(answer_with_sum: bool) -> Any:
+        async def chat(
+            messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+        ) -> dict[str, Any]:
+            assert [t["function"]["name"] for t in tools] == ["add"]
+            if messages[-1]["role"] == "user":
+                calls = [
+                    _call("c0", "add", {"a": "two"}),
+                    _call("c1", "sub", {}),
+                    _call("c2", "add", {"a": 20, "b": 22}),
+                ]
+                return {"role": "assistant", "content": "", "tool_calls": calls}
+            total = json.loads(messages[-1]["content"])["sum"]
+            return {
+                "role": "assistant",
+                "content": f"The sum is {total if answer_with_sum else 0}.",
+            }
+
+        return chat
+
+    r = loop.run(run_episode(NemoGymEnv(nemo_gym_url), _row(20, 22), agent(True)))
+    assert (r.reward, r.stopped) == (1.0, "done"), r.info
+    out = [m["content"] for m in r.messages if m["role"] == "tool"]
+    assert "missing argument b" in out[0]
+    assert "unknown tool 'sub'" in out[1]
+    assert json.loads(out[2]) == {"sum": 42}
+    assert (r.metrics["tool_calls"], r.metrics["tool_errors"]) == (3, 2)
+    assert r.info["task"] == "add-20-22"
+    wrong = loop.run(run_episode(NemoGymEnv(nemo_gym_url), _row(20, 22), agent(False)))
+    assert wrong.reward == 0.0  # /verify read the final message
+    with pytest.raises(ValueError, match="responses_create_params"):
+        loop.run(run_episode(NemoGymEnv(nemo_gym_url), {"input": "hi"}, agent(True)))
+
+
+def test_openenv_ws_session(loop: Loop, openenv_url: str) -> None:
+    """A binary-searching agent plays OpenEnv's guess environment through the /ws session:
+    the episode ends when the server says done, the reward is the server's."""
+    from miles_env.integrations.openenv import OpenEnvEnv
+
+    lo_hi = [1, 16]
+
+    async def chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
+        fn = tools[0]["function"]
+        assert fn["name"] == "guess"
+        assert fn["parameters"]["required"] == ["guess"]
+        assert "metadata" not in fn["parameters"]["properties"]
+        last = messages[-1]
+        if last["role"] == "tool":
+            assert (
+                last["content"].startswith("{")
+                or "argument guess must be integer" in last["content"]
+            )
+            hint = (
+                json.loads(last["content"].split("\n")[0])["hint"]
+                if last["content"].startswith("{")
+                else ""
+            )
+            g = (lo_hi[0] + lo_hi[1]) // 2
+            if hint == "higher":
+                lo_hi[0] = g + 1
+            elif hint == "lower":
+                lo_hi[1] = g - 1
+        else:
+            assert "guess a number from 1 to 16" in last["content"]
+            return {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [_call("bad", "guess", {"guess": "eight"})],
+            }
+        g = (lo_hi[0] + lo_hi[1]) // 2
+        return {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [_call(f"g{g}", "guess", {"guess": g})],
+        }
+
+    env = OpenEnvEnv(openenv_url, tool_name="guess")
+    task = {"name": "guess", "prompt": "Guess the secret number.", "reset": {"seed": 3}}
+    r = loop.run(run_episode(env, task, chat, max_turns=10))
+    assert (r.reward, r.stopped, r.scores["final"]) == (1.0, "env_done", 1.0), r.messages
+    secret = r.info["state"]["secret"]
+    guesses = [
+        json.loads(m["tool_calls"][0]["function"]["arguments"])["guess"]
+        for m in r.messages
+        if m.get("tool_calls")
+    ]
+    assert guesses[-1] == secret
+    assert r.info["state"]["guesses"] == len(guesses) - 1  # the bad call never reached the server
+    assert r.metrics["tool_errors"] == 1
+    wrong = secret % 16 + 1
+
+    async def stubborn(
+        messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        return {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [_call("w", "guess", {"guess": wrong})],
+        }
+
+    r2 = loop.run(
+        run_episode(OpenEnvEnv(openenv_url, tool_name="guess"), task, stubborn, max_turns=2)
+    )
+    assert (r2.stopped, r2.reward, r2.info["state"]["guesses"]) == ("max_turns", 0.0, 2)
