@@ -200,3 +200,27 @@ def test_openenv_ws_session(loop: Loop, openenv_url: str) -> None:
         run_episode(OpenEnvEnv(openenv_url, tool_name="guess"), task, stubborn, max_turns=2)
     )
     assert (r2.stopped, r2.reward, r2.info["state"]["guesses"]) == ("max_turns", 0.0, 2)
+
+
+def test_hud_templates() -> None:
+    """HUD's own TaskRunner runs @env.template generators: the prompt opens the episode, the
+    agent's last reply is graded; a template that grades with garbage gives reward 0 and the
+    reason; an unknown template names the ones there are."""
+    python = framework_python("hud")
+    src = Path(__file__).resolve().parents[1] / "src"
+    proc = subprocess.run(
+        [str(python), str(HERE / "hud_episode.py")],
+        env={**os.environ, "PYTHONPATH": str(src)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    right, wrong, broken, unknown = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert (right["reward"], right["stopped"]) == (1.0, "done")
+    assert right["messages"][0]["content"] == "What is 20 + 22? Answer with the number."
+    assert "this task has no tools" in right["messages"][2]["content"]
+    assert wrong["reward"] == 0.0
+    assert broken["reward"] == 0.0
+    assert "failed to grade: task graded with str" in broken["reason"]
+    assert unknown["error"] == "HUD environment 'arith' has no template 'nope'; it has add, broken"
