@@ -1,5 +1,7 @@
-"""agentic-coding: agentic RL on coding tasks: read, edit and test code through tools in a
-sandbox per episode, the task's tests as the reward, the asynchronous loop.
+"""agentic-coding: agentic RL on 4 coding tasks (file and shell tools, a sandbox per episode).
+
+Read, edit and test code through tools in a sandbox per episode, the task's tests as the
+reward, the asynchronous loop.
 
 The prompts are the coding tasks of miles-env's built-in suite (``fix-failing-test``,
 ``python-bug``, ``rename-function``, ``repair-script``); the agent gets the coding tool set:

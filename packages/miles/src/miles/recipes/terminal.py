@@ -1,5 +1,7 @@
-"""terminal: agentic RL on terminal tasks: multi-turn tool use, a sandbox per episode, the
-task's verifier as the reward, the asynchronous loop.
+"""terminal: agentic RL on 10 terminal tasks (bash tool, a sandbox per episode, verifier reward).
+
+Multi-turn tool use, a sandbox per episode, the task's verifier as the reward, the
+asynchronous loop.
 
 Each prompt is one Harbor task of miles-env's built-in suite (fix a failing test, edit a config,
 aggregate a CSV, repair a script, ...). An episode runs through the TITO session server (exact
