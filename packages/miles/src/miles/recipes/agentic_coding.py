@@ -18,9 +18,10 @@ tool-calling policy (``miles.agentic.scripted``) writes the replies: the oracle'
     miles train agentic-coding --set rollout.generate_fn=multi_turn \\
         --set rollout.agent=miles_env.rollout:terminal_agent        # SmolLM2 itself acts
 
-GPU: SGLang serving a real model (Qwen3-8B class), the model acting, as in the ``terminal``
-recipe (``--set model_path=... --set rollout.engine_url=... --set rollout.generate_fn=multi_turn
---set rollout.agent=miles_env.rollout:terminal_agent``); ``tools/gpu_checks/agentic_check.sh``.
+GPU: SGLang serving a real model (Qwen3-8B class), the model acting: a recipe file calling
+``recipe(model_path=...)`` with ``rollout.engine_url``, ``rollout.generate_fn: multi_turn`` and
+``rollout.agent: miles_env.rollout:terminal_agent``, as in the ``terminal`` recipe's docstring;
+``tools/gpu_checks/agentic_check.sh``.
 """
 
 from __future__ import annotations

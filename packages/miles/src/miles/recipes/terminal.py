@@ -20,14 +20,23 @@ runs for real, deterministically:
     miles train terminal --set rollout.generate_fn=multi_turn \\
         --set rollout.agent=miles_env.rollout:terminal_agent        # SmolLM2 itself acts
 
-GPU: SGLang serving a real model (Qwen3-8B class), the model acting::
+GPU: SGLang serving a real model (Qwen3-8B class), the model acting. A recipe file (so that
+SmolLM2 is not converted for nothing)::
+
+    # terminal_qwen3.py
+    from miles.recipes.terminal import recipe as base
+
+    def recipe():
+        r = base(model_path="/models/Qwen3-8B")
+        r["rollout"].update(engine_url="http://127.0.0.1:30000", generate_fn="multi_turn",
+                            agent="miles_env.rollout:terminal_agent", prompts_per_step=16,
+                            n_samples_per_prompt=8)
+        r["engine"]["context_length"] = 32768
+        r["sampling"]["max_new_tokens"] = 2048
+        return r
 
     python -m sglang.launch_server --model-path /models/Qwen3-8B --port 30000 &
-    miles train terminal --set model_path=/models/Qwen3-8B \\
-        --set rollout.engine_url=http://127.0.0.1:30000 \\
-        --set rollout.generate_fn=multi_turn --set rollout.agent=miles_env.rollout:terminal_agent \\
-        --set engine.context_length=32768 --set sampling.max_new_tokens=2048 \\
-        --set rollout.prompts_per_step=16 --set rollout.n_samples_per_prompt=8
+    miles train terminal_qwen3.py
 
 (``tools/gpu_checks/agentic_check.sh`` runs a short version of this on one GPU.)
 """
