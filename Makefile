@@ -91,6 +91,9 @@ pytest-all: setup
 
 # Every check, each test once: lint, types and the top-level tests in the dev venv, then each
 # package's tests through Pants with only that package's declared dependencies (docs/ci.md).
+# MILES_REQUIRE_NATIVE=1: a native extension that did not build is an import error in every
+# test (and in the package tests under Pants, which pass it on) instead of skipped tests.
+test: export MILES_REQUIRE_NATIVE = 1
 test: lint typecheck pytest pants-packages
 
 # Per-package CI with Pants (docs/ci.md): every package's tests, each with only its declared

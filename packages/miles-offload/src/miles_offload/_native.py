@@ -24,6 +24,20 @@ except ImportError as exc:  # not built, or built for another Python / platform
     _ext = None
     _error = f"{type(exc).__name__}: {exc}"
 
+# CI (make test) sets MILES_REQUIRE_NATIVE=1: an extension that failed to build is an error there,
+# not a quiet fallback that turns the native tests into skips. Disabling it on purpose still works.
+if (
+    _ext is None
+    and os.environ.get("MILES_REQUIRE_NATIVE", "") == "1"
+    and os.environ.get("MILES_OFFLOAD_DISABLE_NATIVE", "") != "1"
+):
+    raise ImportError(
+        f"MILES_REQUIRE_NATIVE=1 but miles-offload's native extension (the pager and CRC-32C) "
+        f"did not load: {_error}. Rebuild it with a C++ compiler present "
+        "(pip install --no-deps -e packages/miles-offload), "
+        "or unset MILES_REQUIRE_NATIVE to run on the PyTorch fallback"
+    )
+
 _warned: set[str] = set()
 
 

@@ -30,6 +30,20 @@ except ImportError as exc:  # not built, or built for another Python / platform
     _ext = None
     _error = f"{type(exc).__name__}: {exc}"
 
+# CI (make test) sets MILES_REQUIRE_NATIVE=1: an extension that failed to build is an error there,
+# not a quiet fallback that turns the native tests into skips. Disabling it on purpose still works.
+if (
+    _ext is None
+    and os.environ.get("MILES_REQUIRE_NATIVE", "") == "1"
+    and os.environ.get("MILES_QUANT_DISABLE_NATIVE", "") != "1"
+):
+    raise ImportError(
+        f"MILES_REQUIRE_NATIVE=1 but miles-quant's native extension (the quantizer kernels) "
+        f"did not load: {_error}. Rebuild it with a C++ compiler present "
+        "(pip install --no-deps -e packages/miles-quant), "
+        "or unset MILES_REQUIRE_NATIVE to run on the PyTorch fallback"
+    )
+
 
 def available() -> bool:
     """Whether the native CPU kernels can run in this process."""

@@ -26,3 +26,18 @@ try:
 except ImportError as exc:  # not built (no compiler at install), or another Python / platform
     ext = None
     error = f"{type(exc).__name__}: {exc}"
+
+# CI (make test) sets MILES_REQUIRE_NATIVE=1: an extension that failed to build is an error there,
+# not a quiet fallback that turns the native tests into skips. Disabling it on purpose still works.
+if (
+    ext is None
+    and os.environ.get("MILES_REQUIRE_NATIVE", "") == "1"
+    and os.environ.get("MILES_TRANSFER_DISABLE_NATIVE", "") != "1"
+):
+    raise ImportError(
+        f"MILES_REQUIRE_NATIVE=1 but miles-transfer's native extension "
+        "(the re-sharding and delta kernels) "
+        f"did not load: {error}. Rebuild it with a C++ compiler present "
+        "(pip install --no-deps -e packages/miles-transfer), "
+        "or unset MILES_REQUIRE_NATIVE to run on the PyTorch fallback"
+    )
