@@ -77,6 +77,8 @@ def test_async_with_staleness_zero_trains_only_on_current_weights(
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["update/verified"] is True
+        # The engine paused only inside the update calls, a part of the update's time.
+        assert 0 < r["update/engine_pause_s"] <= r["time/update_s"]
         assert r["rollout/staleness_max"] == 0
         assert 0.0 <= r["time/trainer_idle_frac"] <= 1.0
         assert r["rollout/buffer_groups"] >= 0

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ class PushSync:
     """
 
     def __init__(self, receiver: WeightReceiver | None, *, bucket_bytes: int, verify: bool):
-        self.receiver = receiver
+        self.receiver = _Timed(receiver) if receiver is not None else None
         self.bucket_bytes = bucket_bytes
         self.verify = verify
 
@@ -34,6 +35,8 @@ class PushSync:
         names) streams those; otherwise its ``.model`` (an HF module, FSDP2-sharded or not) is
         walked with ``miles_transfer.push_module_weights``.
         """
+        if self.receiver is not None:
+            self.receiver.seconds = 0.0
         named = getattr(trainer, "named_hf_tensors", None)
         if callable(named):
             report = self._push_stream(named(), str(version))
@@ -57,6 +60,9 @@ class PushSync:
             "send_s": report.send_seconds,
             "verify_s": report.verify_seconds,
             "verified": report.verified,
+            # The engines apply each bucket between two of their steps and wait for nothing
+            # else: the time inside the update calls bounds how long generation paused.
+            "engine_pause_s": self.receiver.seconds if self.receiver is not None else 0.0,
         }
 
     def _push_stream(
@@ -80,3 +86,30 @@ class PushSync:
             for _ in stream:
                 pass
             raise
+
+
+class _Timed:
+    """A receiver that adds up the time its ``update_weights_from_tensor`` calls take."""
+
+    def __init__(self, inner: WeightReceiver) -> None:
+        self.inner = inner
+        self.dtype = inner.dtype
+        self.seconds = 0.0
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.inner.update_weights_from_tensor(
+                named_tensors, weight_version=weight_version, flush_cache=flush_cache
+            )
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def weights_checksum(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        return self.inner.weights_checksum(names)
