@@ -3,7 +3,8 @@
 - ``delta`` with the embedded engine (bf16, RL learning rate): step 1 ships a full snapshot,
   later steps only the changed elements, and the engine's digests equal the published weights.
 - ``p2p`` over two trainer processes into the embedded engine: each rank sends only its own
-  FSDP2 shard; the engine receives its whole layout, checked bit for bit in two hops.
+  shard (FSDP2, or Megatron TP 2); the engine receives its whole layout, checked bit for bit in
+  two hops.
 - both against a ``miles-rollout serve`` process: ``p2p`` through a ``miles-transfer p2p-agent``
   the loop starts beside it, ``delta`` through ``update_weights_from_disk`` of versions
   materialized on the same filesystem.
@@ -91,9 +92,20 @@ def test_delta_ships_a_few_percent_after_the_first_step(tiny_model: Path, tmp_pa
     assert published == ["weight_v000001", "weight_v000002", "weight_v000003"]
 
 
-def test_p2p_from_two_trainer_processes(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "backend",
+    [
+        [],
+        # Megatron TP 2: fused QKV and gate/up, padded vocabulary, re-sharded on the way.
+        pytest.param(["trainer.backend=megatron", "trainer.megatron.tp=2"], marks=pytest.mark.slow),
+    ],
+    ids=["fsdp", "megatron-tp2"],
+)
+def test_p2p_from_two_trainer_processes(
+    tiny_model: Path, tmp_path: Path, backend: list[str]
+) -> None:
     run = tmp_path / "p2p"
-    _train(tiny_model, run, 2, "transfer.method=p2p", torchrun=2)
+    _train(tiny_model, run, 2, "transfer.method=p2p", *backend, torchrun=2)
     ups = _updates(run)
     assert [u["weight_version"] for u in ups] == ["1", "2"]
     engine_bytes = _param_bytes(tiny_model, 4)  # fp32 engine, tied embedding moved once

@@ -7,6 +7,7 @@ The engine is a real model behind SGLang's weight endpoints (``WeightServer`` ov
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -17,11 +18,25 @@ from datetime import timedelta
 
 import pytest
 import torch
+from p2p_testutil import MOE, module_with, random_bits
 
 from miles_transfer import tensor_digest
 from miles_transfer.p2p import module_param_specs
-from miles_transfer.p2p.engine import EngineSink, SourceEndpoint, setup_message
-from miles_transfer.p2p.layouts import ParamSpec, fsdp_layout, materialize
+from miles_transfer.p2p.engine import (
+    EngineSink,
+    SourceEndpoint,
+    fsdp_source,
+    megatron_source,
+    piece_digests,
+    setup_message,
+)
+from miles_transfer.p2p.layouts import (
+    ParamSpec,
+    fsdp_layout,
+    materialize,
+    megatron_layout,
+    qwen3_params,
+)
 from miles_transfer.push import HTTPReceiver, ModuleReceiver, WeightServer
 from miles_transfer.push.state import iter_full_state
 
@@ -81,7 +96,7 @@ def test_agent_process_swaps_trainer_shards_into_a_server_bit_exact():
     trainer = _model(0)
     engine_model = _model(1).to(torch.bfloat16)
     specs = {n: ParamSpec(s.shape, torch.bfloat16) for n, s in module_param_specs(trainer).items()}
-    setup = setup_message(specs, sources=2, bucket_bytes=1024, transport="tcp")
+    setup = setup_message(fsdp_source(specs, 2), bucket_bytes=1024, transport="tcp")
     with WeightServer(ModuleReceiver(engine_model)) as server:
         agent = subprocess.Popen(
             [sys.executable, "-m", "miles_transfer.cli", "p2p-agent", "--engine-url", server.url,
@@ -162,7 +177,7 @@ def test_engine_refusal_reaches_the_trainer_and_nothing_changes(sink_store):
     trainer = _model(0)
     engine_model = torch.nn.Sequential(torch.nn.Linear(24, 40))  # lacks "2.weight", "2.bias"
     specs = {n: ParamSpec(s.shape, torch.float32) for n, s in module_param_specs(trainer).items()}
-    setup = setup_message(specs, sources=2, bucket_bytes=4096, transport="shm")
+    setup = setup_message(fsdp_source(specs, 2), bucket_bytes=4096, transport="shm")
     with WeightServer(ModuleReceiver(engine_model)) as server:
         engine = HTTPReceiver(server.url)
         before = engine.weights_checksum()
@@ -181,7 +196,7 @@ def test_a_shard_that_differs_from_its_digest_is_refused(sink_store):
     trainer = _model(0)
     engine_model = _model(1)
     specs = {n: ParamSpec(s.shape, torch.float32) for n, s in module_param_specs(trainer).items()}
-    setup = setup_message(specs, sources=2, bucket_bytes=4096)
+    setup = setup_message(fsdp_source(specs, 2), bucket_bytes=4096)
     shards = _shards(trainer, 2, torch.float32)
     with WeightServer(ModuleReceiver(engine_model)) as server:
         engine = HTTPReceiver(server.url)
@@ -200,7 +215,7 @@ def test_a_shard_that_differs_from_its_digest_is_refused(sink_store):
             # Rank 1 hashes its shard, but one bit of one element differs on the wire.
             ep = eps[1]
             ep.n += 1
-            digests = {n: tensor_digest(t) for n, t in shards[1].items() if t.numel()}
+            digests = piece_digests(ep.plan.src.rank(1), shards[1])
             ep.store.set(f"{ep.prefix}/digests/{ep.n}/1", json.dumps(digests))
             bad = {n: t.clone() for n, t in shards[1].items()}
             bad["0.weight"].view(torch.int32)[0, 0] ^= 1
@@ -212,9 +227,40 @@ def test_a_shard_that_differs_from_its_digest_is_refused(sink_store):
         for t in threads:
             t.join(timeout=300)
         assert len(errors) == 1
-        assert re.search(r"0\.weight \(trainer rank 1\)", str(errors[0])), errors[0]
+        assert re.search(r"nothing was swapped in: 0\.weight \(trainer rank 1\)$", str(errors[0]))
         assert engine.weights_checksum() == before
         eps[0].stop()
         sink.join(timeout=60)
         for ep in eps:
             ep.close()
+
+
+def test_megatron_tp2_shards_reach_a_whole_tensor_engine_bit_exact(sink_store):
+    """A Megatron TP 2 job (interleaved fused QKV, [gate; up] fc1, padded vocabulary, tied
+    embedding) into an engine holding whole HF tensors; the trainer ranks' padding rows hold
+    garbage, which is neither moved nor part of the check."""
+    store, store_of = sink_store
+    shape = dataclasses.replace(MOE, dtype=torch.bfloat16)
+    params = qwen3_params(shape)
+    full = random_bits(params, seed=3)
+    layout = megatron_layout(shape, tp=2)
+    shards = []
+    for r in range(2):
+        local = materialize(layout, r, full)
+        emb = local["embedding.word_embeddings.weight"]  # 128 of the 256 padded rows
+        first_pad = max(
+            0, shape.vocab - r * emb.shape[0]
+        )  # vocab 100: rank 0 rows 100.., rank 1 all
+        emb[first_pad:].fill_(7.0)
+        shards.append(local)
+    setup = setup_message(megatron_source(shape, tp=2), bucket_bytes=2048)
+    engine_model = module_with({n: torch.zeros(s.shape, dtype=s.dtype) for n, s in params.items()})
+    with WeightServer(ModuleReceiver(engine_model)) as server:
+        sink = _run_sink(HTTPReceiver(server.url), store, setup)
+        rep = _send_all(store_of, setup, shards, "4")
+        assert rep.ok, rep.error  # type: ignore[attr-defined]
+        assert rep.verified  # type: ignore[attr-defined]
+        assert rep.bytes == sum(t.numel() * 2 for t in full.values())  # type: ignore[attr-defined]
+        got = HTTPReceiver(server.url).weights_checksum()
+        assert got == {n: tensor_digest(t) for n, t in full.items()}
+        sink.join(timeout=60)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from miles.config import load_recipe
 from miles.weight_sync import DeltaSync, P2PSync, PushSync, build_weight_sync
+from miles_transfer import HTTPReceiver, ModuleReceiver, tensor_digest
+from miles_transfer.push import WeightServer
 
 
 @pytest.mark.parametrize(
@@ -44,10 +48,52 @@ def test_the_method_picks_the_sync(tmp_path: Path) -> None:
     assert build_weight_sync(cfg, None).root == tmp_path / "w"  # type: ignore[attr-defined]
 
 
-def test_methods_that_cannot_run_are_refused_before_the_run() -> None:
+def test_delta_without_a_directory_is_refused_before_the_run() -> None:
     cfg = load_recipe("arith-tiny", ["transfer.method=delta"])
     with pytest.raises(ValueError, match=r"transfer\.delta\.dir"):
         build_weight_sync(cfg, None)
-    cfg = load_recipe("arith-tiny", ["transfer.method=p2p", "trainer.backend=megatron"])
-    with pytest.raises(ValueError, match=r"use transfer\.method push or delta"):
-        build_weight_sync(cfg, None)
+
+
+class _ModuleTrainer:
+    """The part of the Trainer protocol a weight sync reads: one process holding a module."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+
+def test_delta_into_a_server_and_a_resumed_run_starts_a_fresh_chain(tmp_path: Path) -> None:
+    """DeltaSync against SGLang's disk route (WeightServer over a bf16 module): versions are
+    pulled, reloaded and verified bit for bit; a second sync object on the same run directory
+    (a resumed run) clears the old chain and publishes a full snapshot first."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    engine_model = copy.deepcopy(model).to(torch.bfloat16)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = load_recipe("arith-tiny", ["transfer.method=delta", f"model_path={ckpt}"])
+    run = tmp_path / "run"
+    with WeightServer(ModuleReceiver(engine_model)) as server:
+        for attempt in range(2):
+            sync = build_weight_sync(cfg, HTTPReceiver(server.url), run_dir=run)
+            kinds = []
+            for version in (1, 2) if attempt == 0 else (2, 3):
+                if attempt or version > 1:
+                    model(torch.randn(8, 16)).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                out = sync.sync(_ModuleTrainer(model), version)
+                kinds.append(out["kind"])
+                assert out["verified"] is True
+                want = {
+                    n: tensor_digest(t.to(torch.bfloat16)) for n, t in model.state_dict().items()
+                }
+                assert HTTPReceiver(server.url).weights_checksum() == want
+                assert server.receiver.weight_version == str(version)  # type: ignore[attr-defined]
+            assert kinds == ["full", "delta"]
+        versions = sorted(p.name for p in (run / "weights").glob("weight_v*"))
+        assert versions == ["weight_v000002", "weight_v000003"]

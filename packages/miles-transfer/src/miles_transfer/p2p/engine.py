@@ -7,7 +7,9 @@ trainer's process for an in-process engine, or in a ``miles-transfer p2p-agent``
 a server (``run_agent``). It receives every trainer rank's shard over a transport (TCP or shared
 memory) into staging buffers in the engine's layout while the engine keeps generating, checks
 them, then swaps them in with one ``update_weights_from_tensor`` between ``pause_generation``
-and ``continue_generation``.
+and ``continue_generation``. The trainer's layout is FSDP2's (``fsdp_source``) or a
+Megatron-core job's (``megatron_source``: TP / PP / DP / EP shards, fused QKV, padded
+vocabulary); the plan re-shards either into whole HF tensors on the way.
 
 Trainer ranks and the sink meet in a ``torch.distributed`` Store (a TCPStore: torch only) under
 a key prefix. The trainer's rank 0 writes the setup once (``setup_message``: the source layout,
@@ -16,15 +18,16 @@ every source rank writes the digests of its shards under ``digests/n/<rank>`` (v
 and the sink answers under ``done/n`` (bytes, timings, verification, or the error). Group
 ranks: trainer ranks ``0..S-1``, the sink ``S``.
 
-Verification is bit for bit in two hops: the sink cuts each source rank's local tensors out of
-what it received (``materialize`` of the source layout) and compares their digests with the
-ones the trainer ranks computed on their own shards; then the engine's per-tensor digests
-(``weights_checksum``) are compared with the staging buffers'. Together: the engine holds the
-trainer's weights exactly, with no rank ever holding the full model on the trainer side.
+Verification is bit for bit in two hops: every trainer rank hashes each HF box its local
+tensors hold (``piece_digests``: padding left out), the sink hashes the same boxes of what it
+received and compares; then the engine's per-tensor digests (``weights_checksum``) are
+compared with the staging buffers'. Together: the engine holds the trainer's weights exactly,
+with no rank ever holding the full model on the trainer side.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -39,11 +42,14 @@ import torch
 from miles_transfer.digest import tensor_digest
 from miles_transfer.p2p.layouts import (
     Layout,
+    ModelShape,
     ParamSpec,
+    RankLayout,
     fsdp_layout,
-    materialize,
+    megatron_layout,
     replicated_layout,
 )
+from miles_transfer.p2p.layouts.base import local_box
 from miles_transfer.p2p.plan import TransferPlan, plan_transfer
 from miles_transfer.p2p.transfer import ShardReceiver, ShardSender
 from miles_transfer.p2p.transports import ShmTransport, TcpTransport
@@ -56,8 +62,12 @@ __all__ = [
     "EngineSink",
     "SinkReport",
     "SourceEndpoint",
+    "fsdp_source",
+    "megatron_source",
+    "piece_digests",
     "run_agent",
     "setup_message",
+    "source_layout",
     "swap_into_engine",
 ]
 
@@ -66,44 +76,82 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloa
 _POLL_S = 0.2
 
 
+def fsdp_source(params: Mapping[str, ParamSpec], world_size: int) -> dict[str, Any]:
+    """The source description of FSDP2 (``fully_shard``, Shard(0)) over ``world_size`` ranks;
+    ``params`` in the engine's dtype (the sources cast their shards before sending)."""
+    return {
+        "kind": "fsdp",
+        "world_size": world_size,
+        "params": {
+            n: [list(s.shape), str(s.dtype).removeprefix("torch.")] for n, s in params.items()
+        },
+    }
+
+
+def megatron_source(shape: ModelShape, **layout_args: int) -> dict[str, Any]:
+    """The source description of a Megatron-core job: ``megatron_layout(shape, **layout_args)``
+    (``tp``, ``pp``, ``dp``, ``ep``, ``etp``); ``shape.dtype`` is the engine's dtype."""
+    fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
+    fields["dtype"] = str(shape.dtype).removeprefix("torch.")
+    return {"kind": "megatron", "shape": fields, "args": dict(layout_args)}
+
+
+def source_layout(src: Mapping[str, Any]) -> Layout:
+    """The trainer's layout from its description (``fsdp_source`` / ``megatron_source``)."""
+    if src["kind"] == "fsdp":
+        params = {
+            n: ParamSpec(tuple(shape), _DTYPES[dt]) for n, (shape, dt) in src["params"].items()
+        }
+        return fsdp_layout(params, int(src["world_size"]))
+    if src["kind"] == "megatron":
+        fields = dict(src["shape"])
+        fields["dtype"] = _DTYPES[fields["dtype"]]
+        return megatron_layout(ModelShape(**fields), **src["args"])
+    raise ValueError(f"unknown source layout kind {src['kind']!r}")
+
+
 def setup_message(
-    params: Mapping[str, ParamSpec],
+    src: Mapping[str, Any],
     *,
-    sources: int,
     bucket_bytes: int,
     transport: str = "tcp",
     verify: bool = True,
 ) -> str:
-    """The setup the trainer's rank 0 writes: an FSDP2 (Shard(0)) source over ``sources`` ranks.
-
-    ``params`` are the HF parameters to move, in the engine's dtype (the sources cast their
-    shards before sending).
-    """
+    """The setup the trainer's rank 0 writes: its layout (``fsdp_source`` or
+    ``megatron_source``), the bucket size, the transport and whether to verify."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {transport!r}")
     return json.dumps(
-        {
-            "src": {
-                "kind": "fsdp",
-                "params": {
-                    n: [list(s.shape), str(s.dtype).removeprefix("torch.")]
-                    for n, s in params.items()
-                },
-            },
-            "sources": sources,
-            "bucket_bytes": bucket_bytes,
-            "transport": transport,
-            "verify": verify,
-        }
+        {"src": src, "bucket_bytes": bucket_bytes, "transport": transport, "verify": verify}
     )
 
 
 def _layouts(setup: Mapping[str, Any]) -> tuple[Layout, Layout]:
-    src = setup["src"]
-    if src["kind"] != "fsdp":
-        raise ValueError(f"unknown source layout kind {src['kind']!r}")
-    params = {n: ParamSpec(tuple(shape), _DTYPES[dt]) for n, (shape, dt) in src["params"].items()}
-    return fsdp_layout(params, int(setup["sources"])), replicated_layout(params, 1)
+    src = source_layout(setup["src"])
+    return src, replicated_layout(src.param_specs(), 1)
+
+
+def piece_digests(rank: RankLayout, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Digests of every HF box a rank's local tensors hold (padding left out), keyed
+    ``"<local name>#<piece index>"``: what a trainer rank vouches for."""
+    out = {}
+    for local, lt in rank.tensors:
+        t = tensors[local]
+        for i, p in enumerate(lt.pieces):
+            if p.numel:
+                box = local_box(t, p.local_start, p.local_size()).reshape(p.size)
+                out[f"{local}#{i}"] = tensor_digest(box)
+    return out
+
+
+def _full_digests(rank: RankLayout, full: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The same digests, of the same boxes cut from full HF tensors (the engine's side)."""
+    out = {}
+    for local, lt in rank.tensors:
+        for i, p in enumerate(lt.pieces):
+            if p.numel:
+                out[f"{local}#{i}"] = tensor_digest(local_box(full[p.name], p.full_start, p.size))
+    return out
 
 
 def _transport(kind: str, store: Store, rank: int, host: str, prefix: str) -> Transport:
@@ -214,12 +262,18 @@ class EngineSink:
     def _check_sources(self, n: int) -> None:
         bad: list[str] = []
         for s in range(self.sources):
+            rank = self.plan.src.rank(s)
             want = json.loads(_wait(self.store, f"{self.prefix}/digests/{n}/{s}"))
-            for name, t in materialize(self.plan.src, s, self.buffers).items():
-                if t.numel() and tensor_digest(t) != want.get(name):
-                    bad.append(f"{name} (trainer rank {s})")
+            got = _full_digests(rank, self.buffers)
+            names = {
+                f"{loc}#{i}": p.name for loc, lt in rank.tensors for i, p in enumerate(lt.pieces)
+            }
+            bad += [f"{names[k]} (trainer rank {s})" for k in got if want.get(k) != got[k]]
         if bad:
-            raise WeightMismatchError(bad, len(self.buffers))
+            raise ValueError(
+                f"received bytes differ from what the trainer ranks hashed, nothing was swapped "
+                f"in: {', '.join(bad[:8])}" + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+            )
 
     def _swap(self, version: str) -> float:
         if not self._names_checked and isinstance(self.engine, HTTPReceiver):
@@ -330,6 +384,7 @@ class SourceEndpoint:
             self.plan, rank, self.transport, bucket_bytes=int(parsed["bucket_bytes"])
         )
         self.n = 0
+        self.sent_bytes = 0  # this rank's bytes in the last update (plan bytes, no padding)
 
     def send(self, shards: Mapping[str, torch.Tensor], weight_version: str) -> SinkReport | None:
         """Send this rank's shards (cast to the engine's dtype) as the next update.
@@ -345,9 +400,9 @@ class SourceEndpoint:
             msg = json.dumps({"weight_version": weight_version})
             self.store.set(f"{self.prefix}/update/{self.n}", msg)
         if self.verify:
-            digests = {n: tensor_digest(t) for n, t in shards.items() if t.numel()}
+            digests = piece_digests(self.plan.src.rank(self.rank), shards)
             self.store.set(f"{self.prefix}/digests/{self.n}/{self.rank}", json.dumps(digests))
-        self.sender.send(shards)
+        self.sent_bytes = self.sender.send(shards).bytes
         if self.rank != 0:
             return None
         rep = SinkReport(

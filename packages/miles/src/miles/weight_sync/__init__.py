@@ -3,7 +3,8 @@
 ``build_weight_sync(cfg, receiver, run_dir=...)`` makes the recipe's ``WeightSync``:
 
 - ``push`` (``PushSync``): gather full tensors, send buckets from rank 0, compare digests;
-- ``p2p`` (``P2PSync``): every trainer rank sends its own FSDP2 shard into the engine's layout;
+- ``p2p`` (``P2PSync``): every trainer rank (FSDP2 or Megatron) sends its own shard, re-sharded
+  into the engine's layout;
 - ``delta`` (``DeltaSync``): publish disk deltas that the engine pulls and applies.
 """
 
@@ -37,17 +38,11 @@ def build_weight_sync(
             ``transfer.delta.dir`` is set. Nothing is created before the first sync.
 
     Raises:
-        ValueError: ``delta`` with neither ``transfer.delta.dir`` nor a run directory, or
-            ``p2p`` with a trainer backend other than FSDP2.
+        ValueError: ``delta`` with neither ``transfer.delta.dir`` nor a run directory.
     """
     t = cfg.transfer
     bucket_bytes = int(t.bucket_mb * 2**20)
     if t.method == "p2p":
-        if cfg.trainer.backend != "fsdp":
-            raise ValueError(
-                f"transfer.method p2p sends FSDP2 shards; with trainer.backend "
-                f"{cfg.trainer.backend} use transfer.method push or delta"
-            )
         return P2PSync(
             receiver,
             engine_url=cfg.rollout.engine_url,
@@ -58,6 +53,7 @@ def build_weight_sync(
             verify=t.verify,
         )
     if t.method == "delta":
+        owns_root = t.delta.dir is None
         if t.delta.dir is not None:
             root = Path(t.delta.dir)
         elif run_dir is not None:
@@ -75,5 +71,6 @@ def build_weight_sync(
             encoding=t.delta.encoding,
             full_every=t.delta.full_every,
             verify=t.verify,
+            owns_root=owns_root,
         )
     return PushSync(receiver, bucket_bytes=bucket_bytes, verify=t.verify)

@@ -27,6 +27,7 @@ position each), ``changed_fraction`` (changed elements / all), ``kind``, ``publi
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +37,7 @@ import torch
 
 from miles.protocols import Trainer
 from miles_transfer import WeightReceiver, tensor_digest
-from miles_transfer.delta import DeltaPublisher, DeltaSubscriber, EngineFollower
+from miles_transfer.delta import DeltaPublisher, DeltaSubscriber, EngineFollower, read_latest
 from miles_transfer.delta.format import MANIFEST, PAYLOAD
 from miles_transfer.p2p import tied_names
 from miles_transfer.push import HTTPReceiver, WeightMismatchError, iter_full_state
@@ -80,6 +81,9 @@ class DeltaSync:
         encoding: ``"xor"`` or ``"overwrite"``.
         full_every: a full snapshot every this many versions.
         verify: compare the engine's digests with the published weights after each update.
+        owns_root: ``root`` belongs to this run (``weights/`` in its directory): versions a
+            resumed run finds there are cleared (a configured directory with versions is
+            refused instead, by ``DeltaPublisher``).
     """
 
     def __init__(
@@ -92,8 +96,10 @@ class DeltaSync:
         encoding: str = "xor",
         full_every: int = 10,
         verify: bool = True,
+        owns_root: bool = False,
     ) -> None:
         self.receiver = receiver
+        self.owns_root = owns_root
         self.root = Path(root)
         self.model_path = model_path
         self.local_dir = Path(local_dir) if local_dir is not None else self.root / "engine"
@@ -111,6 +117,18 @@ class DeltaSync:
 
     def _start(self) -> DeltaPublisher:
         assert self.receiver is not None
+        if self.owns_root and read_latest(self.root) is not None:
+            # A resumed run: its earlier versions describe weights no engine serves any more
+            # (the engines restart from the checkpoint), so the chain starts afresh.
+            for d in (self.root, self.local_dir):
+                if d.is_dir():
+                    for old in d.iterdir():
+                        if old.name != "LATEST" and not old.name.lstrip(".").startswith("weight_v"):
+                            continue
+                        if old.is_dir():
+                            shutil.rmtree(old)
+                        else:
+                            old.unlink()
         publisher = DeltaPublisher(
             self.root,
             encoding="xor" if self.encoding == "xor" else "overwrite",

@@ -1,5 +1,8 @@
-"""``transfer.method: p2p``: every trainer rank sends its own FSDP2 shard, nobody gathers.
+"""``transfer.method: p2p``: every trainer rank sends its own shard, nobody gathers.
 
+The trainer's layout is FSDP2's (``trainer.backend: fsdp``: Shard(0) of every parameter) or a
+Megatron-core job's (``megatron``: TP / PP / DP / EP shards in Megatron's names, fused QKV and
+gate/up, padded vocabulary; the trainer's ``megatron_shards()`` and ``megatron_layout_args()``).
 The engine is one destination rank of a replicated layout (it serves whole HF tensors). Its
 receiving side (``miles_transfer.p2p.engine.EngineSink``) takes every trainer rank's shard
 straight from that rank, in buckets re-sharded on the way, into staging buffers while the
@@ -50,10 +53,13 @@ from miles_transfer.p2p import (
 from miles_transfer.p2p.engine import (
     EngineSink,
     SourceEndpoint,
+    fsdp_source,
+    megatron_source,
     setup_message,
+    source_layout,
     swap_into_engine,
 )
-from miles_transfer.p2p.layouts import ParamSpec, replicated_layout
+from miles_transfer.p2p.layouts import ModelShape, ParamSpec, replicated_layout
 from miles_transfer.push import HTTPReceiver
 
 __all__ = ["P2PSync"]
@@ -78,7 +84,7 @@ def _store(host: str, port: int, *, master: bool = False) -> Any:
 
 
 class P2PSync:
-    """Re-sharded P2P from the trainer's FSDP2 shards into the engine (see the module docstring).
+    """Re-sharded P2P from the trainer's shards into the engine (see the module docstring).
 
     Args:
         receiver: rank 0's engine (the embedded ``Engine`` or an ``HTTPReceiver``); ``None``
@@ -121,10 +127,39 @@ class P2PSync:
 
     # ------------------------------------------------------------------ setup (first sync)
 
-    def _setup(self, model: torch.nn.Module, rank: int, world: int) -> None:
+    def _source(self, trainer: Trainer, world: int) -> dict[str, Any]:
+        """The trainer's layout description in the engine's dtype, and what this rank sends."""
+        assert self._dtype is not None
+        if callable(getattr(trainer, "megatron_shards", None)):  # the Megatron backend
+            shape = ModelShape.from_hf_config(trainer.hf_config, dtype=self._dtype)  # type: ignore[attr-defined]
+            return megatron_source(shape, **trainer.megatron_layout_args())  # type: ignore[attr-defined]
+        model = getattr(trainer, "model", None)
+        if model is None:
+            raise TypeError(f"{type(trainer).__name__} has no .model to send shards from")
         specs = module_param_specs(model)
         tied = tied_names(model)
-        self._names = [n for n in specs if n not in tied]
+        params = {
+            n: ParamSpec(s.shape, self._dtype if s.dtype.is_floating_point else s.dtype)
+            for n, s in specs.items()
+            if n not in tied
+        }
+        return fsdp_source(params, world)
+
+    def _shards(self, trainer: Trainer) -> dict[str, torch.Tensor]:
+        """This rank's local tensors named as in its layout rank, cast to the engine's dtype."""
+        assert self._dtype is not None
+        assert self._names is not None
+        get = getattr(trainer, "megatron_shards", None)
+        local = get() if callable(get) else module_shards(trainer.model)  # type: ignore[attr-defined]
+        missing = [n for n in self._names if n not in local]
+        if missing:
+            raise ValueError(f"the trainer's shards lack {missing[:5]} of its P2P layout")
+        dt = self._dtype
+        return {
+            n: local[n].to(dt) if local[n].is_floating_point() else local[n] for n in self._names
+        }
+
+    def _setup(self, trainer: Trainer, rank: int, world: int) -> None:
         addr: tuple[str, int] | None = None
         embedded = self.receiver is not None and not isinstance(self.receiver, HTTPReceiver)
         if rank == 0:
@@ -142,21 +177,15 @@ class P2PSync:
             (str(self._dtype).removeprefix("torch."), addr, embedded), world
         )
         self._dtype = getattr(torch, dtype_name)
-        params = {
-            n: ParamSpec(s.shape, self._dtype if s.dtype.is_floating_point else s.dtype)
-            for n, s in ((n, specs[n]) for n in self._names)
-        }
+        src = self._source(trainer, world)
+        src_layout = source_layout(src)
+        self._names = [n for n, _ in src_layout.rank(rank).tensors]
         if embedded and world == 1:
-            dst = replicated_layout(params, 1)
-            plan = plan_transfer(replicated_layout(params, 1), dst)
-            self._local = (plan, dst.rank(0).allocate())
+            dst = replicated_layout(src_layout.param_specs(), 1)
+            self._local = (plan_transfer(src_layout, dst), dst.rank(0).allocate())
             return
         setup = setup_message(
-            params,
-            sources=world,
-            bucket_bytes=self.bucket_bytes,
-            transport=self.transport,
-            verify=self.verify,
+            src, bucket_bytes=self.bucket_bytes, transport=self.transport, verify=self.verify
         )
         assert addr is not None
         store = self._master_store if rank == 0 and embedded else _store(*addr)
@@ -207,23 +236,9 @@ class P2PSync:
 
     def sync(self, trainer: Trainer, version: int) -> dict[str, Any]:
         """Send every rank's shard to the engine and swap it in (every rank calls this)."""
-        if getattr(trainer, "named_hf_tensors", None) is not None:
-            raise ValueError(
-                "transfer.method p2p re-shards from FSDP2 shards (trainer.backend: fsdp); the "
-                "Megatron backend's layout is not wired into the loop yet: use push or delta"
-            )
-        model = getattr(trainer, "model", None)
-        if model is None:
-            raise TypeError(f"{type(trainer).__name__} has no .model to send shards from")
         if self._names is None:
-            self._setup(model, trainer.rank, trainer.world_size)
-        assert self._names is not None
-        assert self._dtype is not None
-        local = module_shards(model)
-        shards = {
-            n: local[n].to(self._dtype) if local[n].is_floating_point() else local[n]
-            for n in self._names
-        }
+            self._setup(trainer, trainer.rank, trainer.world_size)
+        shards = self._shards(trainer)
         if self._local is not None:
             return self._sync_local(shards, version)
         assert self._endpoint is not None
@@ -235,7 +250,7 @@ class P2PSync:
             "weight_version": rep.weight_version,
             "method": "p2p",
             "bytes": rep.bytes,
-            "sent_bytes": sum(t.numel() * t.element_size() for t in shards.values()),
+            "sent_bytes": self._endpoint.sent_bytes,
             "receive_s": rep.receive_s,
             "check_s": rep.check_s,
             "pause_s": rep.pause_s,
