@@ -28,10 +28,11 @@ from typing import Any, TextIO
 import torch.distributed as dist
 import yaml
 
-from miles._runlog import RunLog, plot_reward_curve
+from miles._runlog import RunLog
 from miles.config import RunConfig
 from miles.evaluation import Evaluator, build_evaluator
 from miles.guards import RunStoppedError, StepGuard
+from miles.plots import plot_run
 from miles.preflight import preflight
 from miles.protocols import RolloutSource, Trainer, WeightSync
 from miles.resume import (
@@ -318,7 +319,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> RunResult | None:
                     for row in evaluator.poll(step):
                         log.log(row)
                 if log is not None and step % cfg.run.plot_every == 0:
-                    plot_reward_curve(log.path, run_dir / "reward_curve.png", title=cfg.name)
+                    plot_run(log.path, run_dir, title=cfg.name)
                 if bar is not None:
                     reward = record.get("rollout/reward_mean")
                     bar.set_postfix(reward=f"{reward if reward is not None else float('nan'):.3f}")
@@ -333,9 +334,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> RunResult | None:
             return None
         log.close()
         log = None
-        png = plot_reward_curve(
-            run_dir / "metrics.jsonl", run_dir / "reward_curve.png", title=cfg.name
-        )
+        png = plot_run(run_dir / "metrics.jsonl", run_dir, title=cfg.name)
         return RunResult(
             run_dir=run_dir,
             metrics_path=run_dir / "metrics.jsonl",
