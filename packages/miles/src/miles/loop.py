@@ -46,9 +46,8 @@ from miles.resume import (
 from miles.rollout import AsyncRollout, RolloutEngines, SyncRollout, build_train_batch
 from miles.rollout.buffer import token_versions
 from miles.tasks import load_callable
-from miles.weight_sync import PushSync
+from miles.weight_sync import build_weight_sync
 from miles_rollout import Sample
-from miles_transfer import WeightReceiver
 
 __all__ = ["RunResult", "check_model_dir", "train"]
 
@@ -133,13 +132,6 @@ def build_source(cfg: RunConfig, engines: RolloutEngines) -> RolloutSource:
     return AsyncRollout(cfg, engines, staleness_fn=fn)
 
 
-def build_weight_sync(cfg: RunConfig, receiver: WeightReceiver | None) -> WeightSync:
-    """The recipe's weight sync; ``receiver`` is ``None`` on ranks other than 0."""
-    return PushSync(
-        receiver, bucket_bytes=int(cfg.transfer.bucket_mb * 2**20), verify=cfg.transfer.verify
-    )
-
-
 def _rollout_payload(
     source: RolloutSource, step: int, dump: TextIO | None, guard: StepGuard
 ) -> tuple[Any, dict[str, Any]]:
@@ -210,8 +202,17 @@ def train(cfg: RunConfig, *, resume: bool = False) -> RunResult | None:
     dump: TextIO | None = None
     created = False
     steps_done = 0
+    weight_sync: WeightSync | None = None
     try:
-        weight_sync = build_weight_sync(cfg, engines.receiver if engines is not None else None)
+        if rank == 0 and checkpoint is None:
+            if run_dir.exists() and any(run_dir.iterdir()):
+                raise FileExistsError(f"run directory {run_dir} exists and is not empty")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            created = True
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        weight_sync = build_weight_sync(
+            cfg, engines.receiver if engines is not None else None, run_dir=run_dir
+        )
         # An external engine must serve this model with these weights before anything
         # generates (an async source starts generating as soon as it exists).
         preflight(cfg, engines, trainer, weight_sync, rank=rank, world=world)
@@ -251,12 +252,6 @@ def train(cfg: RunConfig, *, resume: bool = False) -> RunResult | None:
             weight_sync.sync(trainer, info.step)
             if source is not None:
                 source.weights_updated(info.step)
-        if rank == 0 and checkpoint is None:
-            if run_dir.exists() and any(run_dir.iterdir()):
-                raise FileExistsError(f"run directory {run_dir} exists and is not empty")
-            run_dir.mkdir(parents=True, exist_ok=True)
-            created = True
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         if rank == 0:
             log = RunLog.for_run(run_dir, cfg)
             if cfg.run.dump_samples:
@@ -348,6 +343,9 @@ def train(cfg: RunConfig, *, resume: bool = False) -> RunResult | None:
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing worth keeping
         raise
     finally:
+        close = getattr(weight_sync, "close", None)
+        if callable(close):
+            close()
         if evaluator is not None:
             evaluator.close()
         if dump is not None:
