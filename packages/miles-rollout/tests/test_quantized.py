@@ -302,3 +302,32 @@ def test_serve_command_line_takes_the_weight_format(
     argv = ["serve", "--model-path", str(model_dir), "--weight-format", "nvfp4"]
     assert main([*argv, "--keep-bf16", "*.nothing_here"]) == 2
     assert "keep_bf16 pattern '*.nothing_here' matches no parameter" in capsys.readouterr().err
+
+
+def test_http_weights_checksum_reports_what_is_served(model_dir: Path) -> None:
+    import json
+    import urllib.request
+
+    from miles_rollout import serve
+
+    with EngineConfig(model_path=str(model_dir), weight_format="nvfp4").build() as engine:
+        handle = serve(engine)
+        try:
+
+            def checksum(body: dict[str, Any]) -> dict[str, str]:
+                req = urllib.request.Request(
+                    handle.url + "/weights_checksum",
+                    json.dumps(body).encode(),
+                    {"Content-Type": "application/json"},
+                )
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return dict(json.loads(r.read()))
+
+            name = "model.layers.0.mlp.up_proj.weight"
+            assert checksum({"names": [name], "served": True}) == (
+                engine.served_weights_checksum([name])
+            )
+            assert checksum({"names": [name]}) == engine.weights_checksum([name])
+            assert checksum({"names": [name], "served": True})[name].startswith("nvfp4:")
+        finally:
+            handle.close()

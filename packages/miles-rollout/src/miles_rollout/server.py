@@ -351,13 +351,19 @@ class _Routes:
 
     async def weights_checksum(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        _pop_known(body, {"names"}, "/weights_checksum")
+        _pop_known(body, {"names", "served"}, "/weights_checksum")
         names = body.get("names")
         if names is not None and not (
             isinstance(names, list) and all(isinstance(n, str) for n in names)
         ):
             raise ValueError("names must be null or a list of parameter names")
-        return web.json_response(await self._run(lambda: self.engine.weights_checksum(names)))
+        # served: digests of what is served (codes and scales under a quantized weight_format).
+        fn = (
+            self.engine.served_weights_checksum
+            if body.get("served")
+            else self.engine.weights_checksum
+        )
+        return web.json_response(await self._run(lambda: fn(names)))
 
 
 def build_app(
