@@ -8,7 +8,7 @@
 in its own sandbox, and prints one line per task with its reward, then a summary
 (``--json``: one JSON object per task instead, with ``task`` and ``reward``). It exits 0 when
 every task could be run to a reward, 1 when some could not (their lines say why), 2 on a
-usage error.
+usage error: one line naming the problem and the fix (``--debug`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ EXIT_USAGE = 2
 def build_parser(prog: str = "miles-env") -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     p = argparse.ArgumentParser(prog=prog, description="Sandboxes and Harbor tasks for agentic RL.")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check", help="run Harbor tasks, each in its own sandbox")
     c.add_argument(
@@ -112,7 +113,9 @@ def main(argv: list[str] | None = None, prog: str = "miles-env") -> int:
     args = build_parser(prog).parse_args(argv)
     try:
         return int(args.fn(args))
-    except (FileNotFoundError, ValueError) as e:
+    except (ValueError, ImportError, OSError) as e:  # input, missing extras, files, sockets
+        if args.debug:
+            raise
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -76,6 +76,9 @@ class AdamW(Optimizer):
             bucket is verified as it is read: on `CorruptStateError` the parameters of the
             buckets read before the damaged one already hold their masters, so reload the
             model's weights together with the optimizer state.
+        overwrite: with "nvme" and ``resume=False``, start fresh even though ``path`` holds
+            committed state (replaced at the first commit). Without it that is an error:
+            starting over must be asked for (or the directory deleted).
         queue_depth: I/O requests in flight per transfer (nvme).
         block_size_kb: KiB per I/O request, a multiple of 4 (nvme).
         io_backend: "auto", "io_uring", "threads" or "python" (see `miles_offload.Pager`).
@@ -83,8 +86,9 @@ class AdamW(Optimizer):
             loss safety for speed (a crashed process still leaves consistent state).
 
     Raises:
-        ValueError: a bad hyperparameter or option (the message says which and why), or
-            ``resume`` without state in ``path`` or with state of another layout.
+        ValueError: a bad hyperparameter or option (the message says which and why),
+            ``resume`` without state in ``path`` or with state of another layout, or committed
+            state in ``path`` without ``resume`` or ``overwrite``.
         CorruptStateError: ``resume`` found damaged state (the message names the file).
     """
 
@@ -102,6 +106,7 @@ class AdamW(Optimizer):
         bucket_mb: float = 64.0,
         moment_dtype: str = "float32",
         resume: bool = False,
+        overwrite: bool = False,
         queue_depth: int = 32,
         block_size_kb: int = 1024,
         io_backend: str = "auto",
@@ -179,6 +184,7 @@ class AdamW(Optimizer):
                 self._steps,
                 layout_digest(self._buckets, self._shapes, self._dtypes),
                 resume=resume,
+                overwrite=overwrite,
                 queue_depth=queue_depth,
                 block_size=block_size_kb * 1024,
                 backend=io_backend,

@@ -51,7 +51,7 @@ class CorruptStateError(RuntimeError):
 
 REMEDY = (
     "The offloaded optimizer state cannot be trusted: restore it from a checkpoint with "
-    "load_state_dict(), or start fresh with resume=False"
+    "load_state_dict(), or start over with resume=False, overwrite=True"
 )
 
 

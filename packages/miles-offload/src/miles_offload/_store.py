@@ -51,6 +51,52 @@ _MANIFEST_FORMAT = "miles-offload-manifest"
 VisitFn = Callable[[Bucket, torch.Tensor], None]
 
 
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_manifest(manifest: Any, where: Path) -> None:
+    """Check the shape of a manifest read from ``where`` (version 1)::
+
+        {"format": "miles-offload-manifest", "version": 1, "layout": str,
+         "generation": int >= 0, "buckets": [{"slot": 0 | 1, "generation": int}, ...]}
+
+    where no bucket's generation exceeds the manifest's.
+
+    Raises:
+        CorruptStateError: the first field that does not fit, named with the file.
+    """
+
+    def bad(field: str, want: str, got: Any) -> CorruptStateError:
+        return CorruptStateError(
+            f"{where}: field {field} must be {want}, got {json.dumps(got)[:80]}"
+        )
+
+    if not isinstance(manifest, dict):
+        raise CorruptStateError(
+            f"{where}: not a miles-offload manifest (a JSON {type(manifest).__name__}, not an "
+            "object)"
+        )
+    if manifest.get("format") != _MANIFEST_FORMAT or manifest.get("version") != 1:
+        raise CorruptStateError(f"{where}: not a miles-offload manifest (version 1)")
+    if not isinstance(manifest.get("layout"), str):
+        raise bad("layout", "a string", manifest.get("layout"))
+    top = manifest.get("generation")
+    if not _int(top) or top < 0:
+        raise bad("generation", "an integer >= 0", top)
+    buckets = manifest.get("buckets")
+    if not isinstance(buckets, list):
+        raise bad("buckets", "a list", buckets)
+    for i, entry in enumerate(buckets):
+        if not isinstance(entry, dict):
+            raise bad(f"buckets[{i}]", 'an object {"slot", "generation"}', entry)
+        if entry.get("slot") not in (0, 1) or isinstance(entry.get("slot"), bool):
+            raise bad(f"buckets[{i}].slot", "0 or 1", entry.get("slot"))
+        gen = entry.get("generation")
+        if not _int(gen) or not 0 <= gen <= top:
+            raise bad(f"buckets[{i}].generation", f"an integer in [0, {top}]", gen)
+
+
 # The lock files of this process's optimizers. A forked child (a DataLoader worker) would
 # otherwise share them and keep a directory locked after the parent's close(): children close
 # their copies (the parent's lock stays held).
@@ -171,12 +217,16 @@ class NvmeStore:
         steps: per parameter, its step tensor (read when a header is written).
         digest: layout digest kept in the manifest.
         resume: open the committed state in ``path`` instead of starting fresh.
+        overwrite: start fresh even when ``path`` holds committed state (else an error).
         queue_depth, block_size, backend: `Pager` settings.
         durable: fdatasync the files and fsync the manifest at every commit.
         pin: page-lock the pool buffers (CUDA only).
 
     Raises:
-        ValueError: ``resume`` without a manifest, or the manifest is for another layout.
+        ValueError: ``resume`` without a manifest, the manifest is for another layout, or
+            committed state without ``resume`` or ``overwrite``.
+        CorruptStateError: ``resume`` found a manifest that is not one (the message names the
+            file and the field).
     """
 
     def __init__(
@@ -193,8 +243,10 @@ class NvmeStore:
         backend: str,
         durable: bool,
         pin: bool,
+        overwrite: bool = False,
     ) -> None:
         self.path = Path(path)
+        self._overwrite = overwrite
         self.buckets = buckets
         self._descs = descs
         self._steps = steps
@@ -221,6 +273,7 @@ class NvmeStore:
         if resume:
             self._manifest = self._load_manifest(digest)
         else:
+            self._refuse_committed_state()
             self._manifest = {
                 "format": _MANIFEST_FORMAT,
                 "version": 1,
@@ -262,6 +315,22 @@ class NvmeStore:
             self._fds[(i, slot)] = fd
         return fd
 
+    def _refuse_committed_state(self) -> None:
+        """Starting fresh over committed state would silently drop it: only on request."""
+        mpath = self.path / MANIFEST
+        if self._overwrite or not mpath.exists():
+            return
+        try:
+            generation = json.loads(mpath.read_text()).get("generation")
+        except (OSError, ValueError, AttributeError):
+            generation = None
+        what = f"committed at generation {generation}" if isinstance(generation, int) else ""
+        raise ValueError(
+            f"{self.path} holds optimizer state ({mpath} {what}) and resume=False would "
+            f"overwrite it. To continue it pass resume=True; to start over delete the "
+            f"directory (rm -r {self.path}), pass another path, or pass overwrite=True"
+        )
+
     def _load_manifest(self, digest: str) -> dict[str, Any]:
         mpath = self.path / MANIFEST
         if not mpath.exists():
@@ -273,8 +342,7 @@ class NvmeStore:
             manifest: dict[str, Any] = json.loads(mpath.read_text())
         except (OSError, ValueError) as exc:
             raise CorruptStateError(f"{mpath}: unreadable manifest ({exc})") from exc
-        if manifest.get("format") != _MANIFEST_FORMAT or manifest.get("version") != 1:
-            raise CorruptStateError(f"{mpath}: not a miles-offload manifest (version 1)")
+        check_manifest(manifest, mpath)
         if manifest["layout"] != digest or len(manifest["buckets"]) != len(self.buckets):
             raise ValueError(
                 f"{self.path} holds optimizer state for another bucket layout (other parameters "

@@ -52,8 +52,7 @@ def weight_files(model_dir: Path) -> list[Path]:
         raise FileNotFoundError(f"{os.fspath(model_dir)!r} has no config.json")
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = list(dict.fromkeys(weight_map.values()))
+        files = list(dict.fromkeys(_weight_map(index).values()))
         missing = [f for f in files if not (model_dir / f).is_file()]
         if missing:
             raise FileNotFoundError(
@@ -69,6 +68,31 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(
         f"{os.fspath(model_dir)!r} has no model.safetensors or model.safetensors.index.json{hint}"
     )
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index, checked: ``{tensor name: shard file}``.
+
+    Raises:
+        ValueError: not JSON, or no ``weight_map`` object of strings (names the file and field).
+    """
+    fix = "write the checkpoint again with save_pretrained, or delete the index of a one-file model"
+    try:
+        data = json.loads(index.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{os.fspath(index)} is not valid JSON ({e}); {fix}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(
+            f"{os.fspath(index)} has no 'weight_map' object (tensor name -> shard file); {fix}"
+        )
+    bad = [k for k, v in weight_map.items() if not isinstance(v, str) or "/" in v or v == ".."]
+    if bad:
+        raise ValueError(
+            f"{os.fspath(index)}: weight_map[{bad[0]!r}] = {weight_map[bad[0]]!r} is not a shard "
+            f"file name in this directory; {fix}"
+        )
+    return weight_map
 
 
 class TensorReader:
@@ -88,7 +112,13 @@ class TensorReader:
         st = _safetensors()
         try:
             for f in self._files:
-                handle = self._stack.enter_context(st.safe_open(str(f), framework="pt"))
+                try:
+                    handle = self._stack.enter_context(st.safe_open(str(f), framework="pt"))
+                except (st.SafetensorError, OSError) as e:
+                    raise ValueError(
+                        f"{os.fspath(f)} is not a readable safetensors file ({e}); it is "
+                        "truncated or corrupt: write the checkpoint again or copy it again"
+                    ) from None
                 self.metadata.update(handle.metadata() or {})
                 for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                     if name in self._where:

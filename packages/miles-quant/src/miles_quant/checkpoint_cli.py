@@ -2,6 +2,10 @@
 
 Installed as ``miles-quant-checkpoint``; ``tools/quantize_checkpoint.py`` runs the same
 ``main``. ``--help`` lists the flags; the README's "Checkpoints" section has examples.
+
+A mistake (a bad flag, a missing, damaged or half-written checkpoint, a full disk) prints one line
+``miles-quant-checkpoint: error: ...`` naming the problem and the fix and exits 2; ``--debug``
+shows the traceback. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a plain HF checkpoint from the quantized src instead",
     )
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="--dequantize output dtype")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     return p
 
 
@@ -260,13 +265,25 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _expected(e: BaseException) -> bool:
+    """Input and environment errors (bad values, files, disks); anything else is a bug."""
+    if isinstance(e, ValueError | ImportError | OSError):
+        return True
+    return type(e).__name__ == "SafetensorError"  # a damaged file the reader did not name
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (2 on a usage or input error)."""
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("miles-quant-checkpoint: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug or not _expected(e):
+            raise
+        print(f"miles-quant-checkpoint: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -163,6 +163,9 @@ class OffloadConfig:
             offload=self.mode,
             path=path,
             bucket_mb=self.bucket_mb,
+            # The trainer's checkpoints (load_state_dict) are the optimizer's record; the NVMe
+            # directory is working space, refilled at every start.
+            overwrite=True,
         )
 
 

@@ -6,14 +6,17 @@
     miles env check [DIR] [--policy oracle|noop] [--json]   (needs miles[env])
 
 RECIPE is a built-in name (``arith-tiny``), a YAML file or a Python file with ``recipe()``.
-Mistakes in the input (missing checkpoint, malformed recipe, unknown key, prompt longer than
-the context, a task or reward function that breaks its contract, an engine serving another
-model) print one line naming the problem and exit with status 2.
+Mistakes in the input (missing or damaged checkpoint, malformed recipe or ``--set`` value,
+unknown key, a recipe() that raises, prompt longer than the context, a task or reward function
+that breaks its contract, an engine that cannot be reached or serves another model, a full
+disk) print one line naming the problem and exit with status 2; ``--debug`` shows the
+traceback. A run stopped by its guards exits 1. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 from pathlib import Path
@@ -25,6 +28,9 @@ EXIT_USAGE = 2
 
 def _train(args: argparse.Namespace) -> int:
     from miles import require_components
+    from miles._overrides import parse_overrides
+
+    parse_overrides(args.set or [])  # a typo is reported now, not after the components load
 
     require_components("miles train")
     from miles.config import load_recipe
@@ -115,6 +121,7 @@ def _env(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     p = argparse.ArgumentParser(prog="miles", description="RL post-training for LLMs.")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run RL training from a recipe")
     t.add_argument("recipe", nargs="?", help="built-in recipe name, or a .yaml / .py recipe file")
@@ -132,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="continue a run from its newest checkpoint (run.save_every); --steps sets the new "
         "total",
+    )
+    t.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,  # does not reset `miles --debug train`
+        help="show full tracebacks for errors",
     )
     t.set_defaults(fn=_train)
     r = sub.add_parser("recipes", help="list the built-in recipes")
@@ -156,34 +169,54 @@ def _quiet_third_party_noise() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _is_reward_error(e: BaseException) -> bool:
-    """A ``miles_rollout.reward.RewardError`` (never one when that module was not imported)."""
-    module = sys.modules.get("miles_rollout.reward")
-    return module is not None and isinstance(e, module.RewardError)
+# Errors of the components and libraries that mean "the input or the environment is wrong",
+# matched by class name along the MRO so that no component is imported to check.
+_EXPECTED_NAMES = {
+    "RewardError",  # the user's reward function: the message names it and the sample
+    "ReceiverError",  # an engine refused or failed a weight update
+    "SGLangHTTPError",  # an engine answered an error
+    "StartupError",  # a fleet process did not come up (the message holds its log)
+    "CorruptStateError",  # offloaded optimizer state failed its checks
+    "WeightMismatchError",  # the engine holds other bytes than the trainer sent
+    "SafetensorError",  # a damaged safetensors file
+    "YAMLError",
+    "ClientError",  # aiohttp: an engine that cannot be reached
+}
+
+
+def _expected(e: BaseException) -> bool:
+    if isinstance(e, ValueError | ImportError | OSError):  # OSError: files, sockets, disks
+        return True
+    return any(cls.__name__ in _EXPECTED_NAMES for cls in type(e).__mro__)
+
+
+def _message(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        text += "; free space there (or point run.out_dir at another disk) and run again"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``miles`` console script."""
     args = build_parser().parse_args(argv)
+    debug = bool(getattr(args, "debug", False))
     _quiet_third_party_noise()
     try:
         return int(args.fn(args))
-    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
-        print(f"miles: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         print("miles: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
         from miles.guards import RunStoppedError
 
-        if _is_reward_error(e):  # the user's reward function: the message names it and the sample
-            print(f"miles: error: {e}", file=sys.stderr)
-            return EXIT_USAGE
-        if not isinstance(e, RunStoppedError):
+        if isinstance(e, RunStoppedError) and not debug:
+            print(f"miles: stopped: {e}", file=sys.stderr)
+            return 1
+        if debug or not _expected(e):
             raise
-        print(f"miles: stopped: {e}", file=sys.stderr)
-        return 1
+        print(f"miles: error: {_message(e)}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

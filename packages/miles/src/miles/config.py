@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from miles._dataclass_build import build_dataclass, to_plain
+from miles._overrides import parse_overrides
 from miles_rollout import EngineConfig, SamplingParams
 from miles_rollout.fleet import FleetConfig
 from miles_trainer import TrainerConfig
@@ -89,6 +90,16 @@ class RolloutSettings:
         admission_pacing: async: start new prompts only while ``accepted + running <=
             (max_staleness + version + 1) * prompts_per_step`` (AReaL's rule), bounding
             staleness at admission instead of discarding slow groups.
+        api_key: the engines' API key (``Authorization: Bearer``), sent by the rollout
+            client, the weight pushes and the evaluation client, and given to a ``fleet``'s
+            engines and router; ``null``: ``$MILES_API_KEY`` when set, else none. Never
+            written to the run directory.
+        request_timeout_s: the most seconds one generate request may take before it is
+            abandoned (and retried); ``null``: no limit.
+        max_retries: how many times a generate request that failed (connection error,
+            timeout, HTTP 5xx, e.g. a dead engine behind the router or a full queue) is
+            retried, with exponential backoff, before its sample fails (and its group is
+            dropped, see ``max_drop_frac``). A 4xx (a bad request) is never retried.
     """
 
     prompts_per_step: int = 8
@@ -104,8 +115,18 @@ class RolloutSettings:
     staleness_fallback: str = "drop"
     admission_pacing: bool = False
     max_drop_frac: float = 0.5
+    api_key: str | None = None
+    request_timeout_s: float | None = 600.0
+    max_retries: int = 2
 
     def __post_init__(self) -> None:
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(
+                f"rollout.request_timeout_s must be > 0 (or null for none), got "
+                f"{self.request_timeout_s}"
+            )
+        if self.max_retries < 0:
+            raise ValueError(f"rollout.max_retries must be >= 0, got {self.max_retries}")
         if not 0.0 <= self.max_drop_frac <= 1.0:
             raise ValueError(f"rollout.max_drop_frac must be in [0, 1], got {self.max_drop_frac}")
         if self.prompts_per_step < 1:
@@ -475,6 +496,9 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data (written to the run directory)."""
         d = to_plain(self)
+        for section in ("rollout", "fleet"):  # secrets stay out of config.yaml
+            if (d.get(section) or {}).get("api_key") is not None:
+                d[section]["api_key"] = "<redacted>"
         d["engine"].pop("model_path", None)
         d["trainer"].pop("model_path", None)
         return d
@@ -493,11 +517,8 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Apply ``section.key=value`` overrides; values are parsed as YAML (``1e-4``, ``true``)."""
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"override {item!r} must look like section.key=value")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    for key, value in parse_overrides(overrides):
+        _set_dotted(data, key, value)
     return data
 
 
@@ -507,14 +528,40 @@ def _load_python_recipe(path: Path) -> dict[str, Any]:
         raise ValueError(f"cannot import recipe file {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(
+            f"recipe file {path} failed to import: {_where(e, path)}; fix the file (miles "
+            "train --debug ... shows the traceback)"
+        ) from e
     fn = getattr(module, "recipe", None)
     if not callable(fn):
         raise ValueError(f"recipe file {path} must define a function recipe() returning a dict")
-    data = fn()
+    try:
+        data = fn()
+    except Exception as e:
+        raise ValueError(
+            f"recipe() in {path} raised {_where(e, path)}; fix the recipe (miles train --debug "
+            "... shows the traceback)"
+        ) from e
     if not isinstance(data, dict):
         raise ValueError(f"recipe() in {path} must return a dict, got {type(data).__name__}")
     return data
+
+
+def _where(e: BaseException, path: Path) -> str:
+    """``Type: message (line N)``, with the deepest line of ``path`` in the traceback."""
+    import traceback
+
+    line = None
+    for frame in traceback.extract_tb(e.__traceback__):
+        if Path(frame.filename).resolve() == path.resolve():
+            line = frame.lineno
+    if isinstance(e, SyntaxError) and e.lineno is not None:
+        line = e.lineno
+    at = f" at line {line}" if line is not None else ""
+    return f"{type(e).__name__}: {e}{at}"
 
 
 def _importable(*dirs: Path) -> None:

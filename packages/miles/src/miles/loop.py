@@ -75,7 +75,28 @@ def check_model_dir(path: str) -> Path:
         raise FileNotFoundError(f"{p} has no config.json: it is not a Hugging Face checkpoint")
     if not any(p.glob("*.safetensors")):
         raise FileNotFoundError(f"{p} has no *.safetensors weights")
+    _check_readable(p)
     return p
+
+
+def _check_readable(p: Path) -> None:
+    """config.json is a JSON object and every safetensors header reads (no tensor data is
+    loaded), so a damaged checkpoint stops the run here, named, before the trainer loads it."""
+    from safetensors import SafetensorError, safe_open
+
+    fix = "write the checkpoint again (model.save_pretrained(dir)) or copy it again"
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p / 'config.json'} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{p / 'config.json'} is not a JSON object; {fix}")
+    for f in sorted(p.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f} is not a readable safetensors file ({e}); {fix}") from None
 
 
 def _default_run_dir(name: str) -> Path:

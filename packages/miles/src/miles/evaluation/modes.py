@@ -154,7 +154,11 @@ class SnapshotEval:
         if self.engine is not None:
             return LocalEngineClient(self.engine)
         assert self.cfg.eval.engine_url is not None
-        return SGLangClient(self.cfg.eval.engine_url)
+        from miles_rollout.auth import resolve_api_key
+
+        return SGLangClient(
+            self.cfg.eval.engine_url, api_key=resolve_api_key(self.cfg.rollout.api_key)
+        )
 
     async def _dedicated(self, step: int, path: Path) -> dict[str, Any]:
         async with self._client() as client:

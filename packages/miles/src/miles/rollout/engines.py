@@ -19,8 +19,10 @@ from miles_rollout import (
     SGLangClient,
     make_generate_fn,
 )
+from miles_rollout.auth import resolve_api_key
 from miles_rollout.fleet import Fleet, FleetConfig
 from miles_transfer import HTTPReceiver, WeightReceiver
+from miles_transfer.push import ReceiverError
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
@@ -55,13 +57,19 @@ class RolloutEngines:
         self.engine: Engine | None = None
         self.fleet: Fleet | None = None
         self.url = cfg.rollout.engine_url
+        # rollout.api_key, else $MILES_API_KEY: for the client, the pushes and the fleet.
+        self.api_key = resolve_api_key(cfg.rollout.api_key)
         self.receiver: WeightReceiver
         if cfg.fleet is not None:
-            self.fleet = _fleet_config(cfg).build().start()
+            fleet_cfg = _fleet_config(cfg)
+            if fleet_cfg.api_key is None and self.api_key is not None:
+                fleet_cfg = dataclasses.replace(fleet_cfg, api_key=self.api_key)
+            self.api_key = fleet_cfg.api_key
+            self.fleet = fleet_cfg.build().start()
             fleet = self.fleet
             self.url = fleet.url
             try:
-                self.receiver = FanoutReceiver(lambda: fleet.engine_urls)
+                self.receiver = FanoutReceiver(lambda: fleet.engine_urls, api_key=self.api_key)
             except BaseException:
                 fleet.close()
                 raise
@@ -78,7 +86,13 @@ class RolloutEngines:
             self.engine = Engine(engine_cfg)
             self.receiver = self.engine
         else:
-            self.receiver = HTTPReceiver(cfg.rollout.engine_url)
+            try:
+                self.receiver = HTTPReceiver(cfg.rollout.engine_url, api_key=self.api_key)
+            except ReceiverError as e:  # the first request: the engine is not there
+                raise ValueError(
+                    f"cannot reach the engine at rollout.engine_url={cfg.rollout.engine_url} "
+                    f"({e}); start it first (miles-rollout serve, SGLang) or fix the URL"
+                ) from e
         self.tokenizer: Any = self.engine.tokenizer if self.engine is not None else None
         if self.engine is None:
             from transformers import AutoTokenizer
@@ -134,7 +148,12 @@ class RolloutEngines:
         if self.engine is not None:
             return LocalEngineClient(self.engine)
         assert self.url is not None
-        return SGLangClient(self.url)
+        return SGLangClient(
+            self.url,
+            api_key=self.api_key,
+            timeout=self.cfg.rollout.request_timeout_s,
+            generate_retries=self.cfg.rollout.max_retries,
+        )
 
     def close(self) -> None:
         """Shut the embedded engine or the fleet down (idempotent)."""
