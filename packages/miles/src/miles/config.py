@@ -89,7 +89,9 @@ class RolloutSettings:
             (a sample aborted or failed: engine errors, a reward function that raised).
         admission_pacing: async: start new prompts only while ``accepted + running <=
             (max_staleness + version + 1) * prompts_per_step`` (AReaL's rule), bounding
-            staleness at admission instead of discarding slow groups.
+            staleness at admission instead of discarding slow groups. On by default: without
+            it the producer runs a whole buffer ahead and the groups that age past the bound
+            are thrown away (the demo dropped 23 groups per step of 16 trained).
         api_key: the engines' API key (``Authorization: Bearer``), sent by the rollout
             client, the weight pushes and the evaluation client, and given to a ``fleet``'s
             engines and router; ``null``: ``$MILES_API_KEY`` when set, else none. Never
@@ -113,7 +115,7 @@ class RolloutSettings:
     max_staleness: int = 1
     staleness_policy: str = "drop"
     staleness_fallback: str = "drop"
-    admission_pacing: bool = False
+    admission_pacing: bool = True
     max_drop_frac: float = 0.5
     api_key: str | None = None
     request_timeout_s: float | None = 600.0
