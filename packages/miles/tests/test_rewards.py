@@ -125,3 +125,23 @@ def test_code_tests_run_in_a_sandbox_and_grade_pass_fail_and_timeout() -> None:
     assert loops.metadata["reward_info"]["timed_out"] is True
     with pytest.raises(ValueError, match="label to be the test code"):
         asyncio.run(code_tests(_sample("x", 3)))
+
+
+def test_a_hung_reward_fails_its_sample_with_the_reason() -> None:
+    from miles_rollout import SampleStatus
+    from miles_rollout.reward import grade
+
+    release = threading.Event()
+
+    def hangs(sample: Any) -> float:
+        release.wait()
+        return 1.0
+
+    s = _sample("x", 1)
+    s.status = SampleStatus.COMPLETED
+    asyncio.run(grade(s, with_timeout(hangs, 0.2), on_error="drop"))
+    release.set()
+    assert s.status is SampleStatus.FAILED
+    assert s.reward is None
+    assert "test_rewards" in s.metadata["error"]
+    assert "did not return within 0.2 s" in s.metadata["error"]
