@@ -1,6 +1,6 @@
 """The ``miles`` command line.
 
-    miles train RECIPE [--set section.key=value ...] [--steps N] [--out DIR]
+    miles train RECIPE [--set section.key=value ...] [--steps N] [--out DIR] [--ray [ADDRESS]]
     miles recipes
     miles plot RUN_DIR
     miles env check [DIR] [--policy oracle|noop] [--json]   (needs miles[env])
@@ -34,7 +34,7 @@ def _train(args: argparse.Namespace) -> int:
 
     require_components("miles train")
     from miles.config import load_recipe
-    from miles.loop import train
+    from miles.loop import RunResult, train
 
     overrides = list(args.set or [])
     if args.steps is not None:
@@ -54,12 +54,21 @@ def _train(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{run_dir} is not a miles run directory (no config.yaml)")
         overrides.append(f"run.out_dir={run_dir}")
     elif recipe is None:
-        raise ValueError("give a recipe (see `miles recipes`) or --resume RUN_DIR")
+        hint = ""
+        if args.ray:  # `miles train --ray arith-tiny`: argparse took the recipe as the address
+            hint = f"; --ray took {args.ray!r} as the Ray address: write the recipe before --ray"
+        raise ValueError(f"give a recipe (see `miles recipes`) or --resume RUN_DIR{hint}")
     elif args.out is not None:
         overrides.append(f"run.out_dir={args.out}")
     cfg = load_recipe(recipe, overrides)
     _quiet_libraries()
-    result = train(cfg, resume=args.resume is not None)
+    result: RunResult | None
+    if args.ray is not None:
+        from miles.ray import launch
+
+        result = launch(cfg, address=args.ray or None, resume=args.resume is not None)
+    else:
+        result = train(cfg, resume=args.resume is not None)
     if result is not None:
         print(f"run directory: {result.run_dir}")
         print(f"  metrics:     {result.metrics_path}")
@@ -139,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="continue a run from its newest checkpoint (run.save_every); --steps sets the new "
         "total",
+    )
+    t.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="place the trainer ranks (ray.trainer_ranks), the fleet's engines and the router as "
+        "Ray actors (pip install 'miles[ray]'): on a Ray started for this run, or on the "
+        "cluster at ADDRESS (auto, HOST:PORT, ray://HOST:PORT)",
     )
     t.add_argument(
         "--debug",

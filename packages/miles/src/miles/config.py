@@ -14,6 +14,7 @@ YAML shape (every section optional except ``model_path``)::
     task:     {name: arithmetic, params: {max_operand: 99}}
     transfer: {method: push, bucket_mb: 64, verify: true}        # push | p2p | delta
     run:      {num_steps: 60, save_every: 0}
+    ray:      {trainer_ranks: 2, cpus_per_rank: 1}               # only under miles train --ray
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import yaml
 
 from miles._dataclass_build import build_dataclass, to_plain
 from miles._overrides import parse_overrides
+from miles.ray.settings import RaySettings
 from miles_rollout import EngineConfig, SamplingParams
 from miles_rollout.fleet import FleetConfig
 from miles_trainer import TrainerConfig
@@ -431,6 +433,7 @@ class RunConfig:
     run: RunSettings = field(default_factory=RunSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
     fleet: FleetConfig | None = None
+    ray: RaySettings = field(default_factory=RaySettings)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
@@ -447,6 +450,7 @@ class RunConfig:
             "run",
             "eval",
             "fleet",
+            "ray",
         )
         unknown = sorted(set(data) - {"name", "model_path", *sections})
         if unknown:
@@ -485,6 +489,7 @@ class RunConfig:
                 if data.get("fleet") is not None
                 else None
             ),
+            ray=build_dataclass(RaySettings, sec["ray"], "ray"),
         )
 
     def __post_init__(self) -> None:
@@ -503,6 +508,10 @@ class RunConfig:
                 d[section]["api_key"] = "<redacted>"
         d["engine"].pop("model_path", None)
         d["trainer"].pop("model_path", None)
+        if d.get("fleet") and str(d["fleet"].get("launcher")).startswith("miles.ray."):
+            # Placed by `miles train --ray` for this run only: a resumed run is placed by its
+            # own command line (with or without --ray).
+            d["fleet"]["launcher"], d["fleet"]["launcher_args"] = None, {}
         return d
 
 

@@ -63,6 +63,11 @@ class FleetConfig:
             get it as ``MILES_API_KEY`` in their environment (not on a command line that
             ``ps`` shows); SGLang and the router take ``--api-key``.
         insecure_no_auth: allow a non-loopback ``host`` without ``api_key``.
+        launcher: where the processes run: ``None`` forks them here; a dotted path
+            ``pkg.module:factory`` names ``factory(config, **launcher_args) ->
+            miles_rollout.fleet.launcher.Launcher`` (``miles train --ray`` sets
+            ``miles.ray.fleet:RayLauncher``: each process owned by a Ray actor).
+        launcher_args: keyword arguments for the ``launcher`` factory.
     """
 
     model_path: str
@@ -86,6 +91,8 @@ class FleetConfig:
     weight_format: str | None = None
     api_key: str | None = None
     insecure_no_auth: bool = False
+    launcher: str | None = None
+    launcher_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -131,6 +138,12 @@ class FleetConfig:
                     f"router_args[{key!r}] is set by the fleet (use router_port / host); "
                     f"the fleet passes its engines' URLs itself"
                 )
+        if self.launcher is not None and ":" not in self.launcher:
+            raise ValueError(
+                f"launcher must be a dotted path pkg.module:factory, got {self.launcher!r}"
+            )
+        if self.launcher_args and self.launcher is None:
+            raise ValueError("launcher_args is for a launcher: set launcher too")
         for name in ("startup_timeout_s", "stop_timeout_s", "monitor_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_rollout.fleet.config import FleetConfig
-from miles_rollout.fleet.processes import ChildProcess
+from miles_rollout.fleet.launcher import FleetProcess
 from miles_rollout.fleet.sglang import cli_flags, sglang_argv
 
 __all__ = [
@@ -115,7 +115,7 @@ def engine_env(cfg: FleetConfig) -> dict[str, str]:
 def wait_for(
     check: Callable[[], bool],
     *,
-    child: ChildProcess,
+    child: FleetProcess,
     what: str,
     deadline: float,
     interval_s: float = 0.1,
@@ -147,12 +147,9 @@ def wait_for(
         time.sleep(interval_s)
 
 
-def announced_url(child: ChildProcess) -> str | None:
+def announced_url(child: FleetProcess) -> str | None:
     """The ``http://...`` URL the process printed after `` at `` in its log, if any yet."""
-    try:
-        match = _URL_LINE.search(child.log_path.read_bytes())
-    except OSError:
-        return None
+    match = _URL_LINE.search(child.read_log())  # the log may be on another machine
     return match.group(1).decode() if match else None
 
 
@@ -166,7 +163,7 @@ def health_ok(url: str, timeout_s: float = 5.0) -> bool:
 
 
 def wait_healthy(
-    child: ChildProcess,
+    child: FleetProcess,
     command: EngineCommand,
     host: str,
     deadline: float,

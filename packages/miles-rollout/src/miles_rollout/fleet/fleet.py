@@ -29,13 +29,11 @@ from miles_rollout.fleet.config import FleetConfig
 from miles_rollout.fleet.engines import (
     EngineCommand,
     StartupError,
-    engine_command,
-    engine_env,
     free_port,
     wait_for,
     wait_healthy,
 )
-from miles_rollout.fleet.processes import ChildProcess, Spawner
+from miles_rollout.fleet.launcher import FleetProcess, Launcher, make_launcher
 from miles_rollout.fleet.router import RouterAPI, find_router, router_argv
 
 __all__ = ["EngineHandle", "Fleet", "FleetEvent"]
@@ -52,7 +50,7 @@ class EngineHandle:
 
     index: int
     url: str
-    process: ChildProcess
+    process: FleetProcess
     alive: bool = True
     exit_status: int | None = None
     last_stats: dict[str, Any] = field(default_factory=dict)
@@ -82,11 +80,11 @@ class Fleet:
         self.config = config
         self.engines: list[EngineHandle] = []
         self.events: list[FleetEvent] = []
-        self.router: ChildProcess | None = None
+        self.router: FleetProcess | None = None
         self.url = ""
         self._api: RouterAPI | None = None
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="miles-fleet-"))
-        self._spawner = Spawner()
+        self._launcher: Launcher | None = None  # where the processes run (made by start())
         self._lock = threading.RLock()  # engines, events, counters
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -114,18 +112,20 @@ class Fleet:
         """
         assert not self.engines, "start() runs once"
         assert not self._closed, "start() runs once"
-        pending: list[tuple[int, ChildProcess, EngineCommand]] = []
+        pending: list[tuple[int, FleetProcess, EngineCommand, str]] = []
         try:
             binary = find_router(self.config.router_binary)
             deadline = time.monotonic() + self.config.startup_timeout_s
-            pending = [self._spawn_engine(i) for i in range(self.config.engines)]
-            for index, child, command in pending:
-                url = wait_healthy(child, command, self.config.host, deadline)
+            self._launcher = make_launcher(self.config)
+            for i in range(self.config.engines):
+                pending.append(self._spawn_engine(i))
+            for index, child, command, host in pending:
+                url = wait_healthy(child, command, host, deadline)
                 self.engines.append(EngineHandle(index=index, url=url, process=child))
             self._start_router(binary, deadline)
         except BaseException:
             started = {id(e.process) for e in self.engines}
-            for _, child, _ in pending:
+            for _, child, _, _ in pending:
                 if id(child) not in started:
                     child.stop(self.config.stop_timeout_s)
             self.close()
@@ -152,7 +152,8 @@ class Fleet:
         for engine in self.engines:
             engine.process.stop(timeout)
             engine.alive = False
-        self._spawner.close()
+        if self._launcher is not None:
+            self._launcher.close()
 
     def __enter__(self) -> Fleet:
         return self.start()
@@ -184,12 +185,11 @@ class Fleet:
 
     # ---------------------------------------------------------------- engines
 
-    def _spawn_engine(self, index: int) -> tuple[int, ChildProcess, EngineCommand]:
-        command = engine_command(self.config, index)
-        env = engine_env(self.config)
+    def _spawn_engine(self, index: int) -> tuple[int, FleetProcess, EngineCommand, str]:
+        assert self._launcher is not None, "start() the fleet first"
         log = self._log_dir / f"engine-{index}.log"
-        child = self._spawner.spawn(f"engine {index}", command.argv, log, env)
-        return index, child, command
+        child, command, host = self._launcher.start_engine(self.config, index, log)
+        return index, child, command, host
 
     def _worker_urls(self, url: str) -> set[str]:
         """The router's worker URLs for one engine (one per DP rank with ``--dp-aware``)."""
@@ -202,7 +202,7 @@ class Fleet:
         assert self._api is not None
         return worker_urls <= self._api.healthy_worker_urls()
 
-    def _wait_registered(self, url: str, child: ChildProcess, deadline: float) -> None:
+    def _wait_registered(self, url: str, child: FleetProcess, deadline: float) -> None:
         router, want = self.router, self._worker_urls(url)
         assert router is not None
         wait_for(
@@ -226,10 +226,10 @@ class Fleet:
         assert self._api is not None, "start() the fleet first"
         with self._lock:
             index = max((e.index for e in self.engines), default=-1) + 1
-        _, child, command = self._spawn_engine(index)
+        _, child, command, host = self._spawn_engine(index)
         deadline = time.monotonic() + self.config.startup_timeout_s
         try:
-            url = wait_healthy(child, command, self.config.host, deadline, cancel=self._stop)
+            url = wait_healthy(child, command, host, deadline, cancel=self._stop)
             self._api.add_worker(url)
             self._wait_registered(url, child, deadline)
         except BaseException:
@@ -259,7 +259,8 @@ class Fleet:
                 router_args=cfg.router_args,
                 api_key=cfg.api_key,
             )
-            self.router = self._spawner.spawn("router", argv, self._log_dir / "router.log")
+            assert self._launcher is not None
+            self.router = self._launcher.spawn("router", argv, self._log_dir / "router.log")
             self.url = f"http://{cfg.host}:{port}"
             self._api = RouterAPI(
                 self.url, f"http://{cfg.host}:{metrics_port}/metrics", api_key=cfg.api_key

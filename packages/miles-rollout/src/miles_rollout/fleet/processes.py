@@ -69,6 +69,13 @@ class ChildProcess:
     def log_tail(self, lines: int = 30) -> str:
         return log_tail(self.log_path, lines)
 
+    def read_log(self) -> bytes:
+        """The whole log so far (b'' before it exists)."""
+        try:
+            return self.log_path.read_bytes()
+        except OSError:
+            return b""
+
     def stop(self, timeout_s: float) -> int:
         """SIGTERM the whole process group, SIGKILL it after ``timeout_s``; reap; exit status."""
         self._signal_group(signal.SIGTERM)
