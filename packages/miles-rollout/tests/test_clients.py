@@ -21,7 +21,7 @@ from miles_rollout import (
     serve,
 )
 from miles_transfer import tensor_digest
-from miles_transfer.push import serialize_named_tensors
+from miles_transfer.push import discard_serialized, serialize_named_tensors
 
 T = TypeVar("T")
 Teacher = Callable[[list[int], list[int], float], list[float]]
@@ -163,18 +163,36 @@ def test_weight_updates_and_checksums(client_factory: Any, model_dir_v2: Path) -
             await c.update_weights_from_disk("/no/such/dir", weight_version="x")
         assert await c.get_weight_version() == "disk"
 
-        # Back to the first weights through the tensor path, in both wire formats.
+        # Back to the first weights through the tensor path, in every wire format. Over HTTP
+        # the server takes only the safe one (SGLang's pickled formats are refused, unread).
         orig = {n: torch.randn(t.shape) for n, t in new.items() if n.startswith("model.layers.0")}
-        for fmt in (None, "flattened_bucket"):
+        over_http = isinstance(c, SGLangClient)
+        for fmt in (None, "flattened_bucket", "miles_safetensors"):
             payload = serialize_named_tensors(orig.items(), load_format=fmt)
-            await c.update_weights_from_tensor([payload], load_format=fmt, weight_version=str(fmt))
+            try:
+                if over_http and fmt != "miles_safetensors":
+                    with pytest.raises(ValueError, match="pickles, which this server does not"):
+                        await c.update_weights_from_tensor([payload], load_format=fmt)
+                    discard_serialized(payload, load_format=fmt)
+                    continue
+                await c.update_weights_from_tensor(
+                    [payload], load_format=fmt, weight_version=str(fmt)
+                )
+            finally:
+                if fmt == "miles_safetensors":  # the sender owns the file
+                    discard_serialized(payload, load_format=fmt)
             assert await c.get_weight_version() == str(fmt)
             got = await c.weights_checksum(list(orig))
             assert got == {n: tensor_digest(t) for n, t in orig.items()}
-        bad = serialize_named_tensors([("model.nope.weight", torch.zeros(2))])
+        bad = serialize_named_tensors(
+            [("model.nope.weight", torch.zeros(2))], load_format="miles_safetensors"
+        )
         with pytest.raises(ValueError, match="unknown parameter names"):
-            await c.update_weights_from_tensor([bad], weight_version="bad")
-        assert await c.get_weight_version() == "flattened_bucket"
+            await c.update_weights_from_tensor(
+                [bad], load_format="miles_safetensors", weight_version="bad"
+            )
+        discard_serialized(bad, load_format="miles_safetensors")
+        assert await c.get_weight_version() == "miles_safetensors"
         await c.update_weight_version("v9")
         out = await c.generate([1, 2], SamplingParams(max_new_tokens=1))
         assert out.weight_version == "v9"

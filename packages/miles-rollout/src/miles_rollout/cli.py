@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         default=1024,
         help="generate requests waiting beyond the running batch; more get 503 + Retry-After",
     )
+    s.add_argument(
+        "--allow-pickle-weights",
+        action="store_true",
+        help="also accept SGLang's pickled update_weights_from_tensor payloads (trusted senders "
+        "only); the default takes only miles_safetensors",
+    )
     s.add_argument("--model-path", required=True, help="local HF checkpoint directory")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=30000, help="0 picks a free port")
@@ -185,6 +191,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event | None) -> int:
             max_request_mb=args.max_request_mb,
             max_queued_requests=args.max_queued_requests,
             sock=sock,
+            allow_pickle_weights=args.allow_pickle_weights,
         )
     except BaseException:
         sock.close()

@@ -11,7 +11,8 @@ Bounds: with ``api_key`` every request but ``GET /health`` needs ``Authorization
 ``max_request_mb`` gets 413; generate requests beyond the engine's batch plus
 ``max_queued_requests`` waiting get 503 with ``Retry-After`` (nothing is queued); a client that
 disconnects, and a ``/health_generate`` probe that times out, take their request out of the
-engine's queue.
+engine's queue. Weight payloads must be ``miles_safetensors`` (nothing executable; see
+``miles_transfer.push.safe_wire``) unless ``allow_pickle_weights`` admits SGLang's pickled formats.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from miles_rollout.client import ROUTING_KEY_HEADER
 from miles_rollout.engine import Engine
 from miles_rollout.sampling_params import SamplingParams
 from miles_transfer.push import deserialize_named_tensors
+from miles_transfer.push.safe_wire import SAFE_FORMAT
 
 __all__ = ["ServerHandle", "serve"]
 
@@ -129,9 +131,15 @@ class _Routes:
     """
 
     def __init__(
-        self, engine: Engine, *, max_queued_requests: int, health_generate_timeout_s: float
+        self,
+        engine: Engine,
+        *,
+        max_queued_requests: int,
+        health_generate_timeout_s: float,
+        allow_pickle_weights: bool = False,
     ) -> None:
         self.engine = engine
+        self.allow_pickle = allow_pickle_weights
         running = engine.config.max_running_requests * engine.dp_size
         self.capacity = running + max_queued_requests
         self.pending = 0
@@ -205,7 +213,11 @@ class _Routes:
         return web.json_response(self.engine.model_info())
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response(self.engine.server_info())
+        info = self.engine.server_info()
+        # The update_weights_from_tensor formats accepted here (HTTPReceiver picks the first).
+        pickled = ["flattened_bucket", None] if self.allow_pickle else []
+        info["weight_load_formats"] = [SAFE_FORMAT, *pickled]
+        return web.json_response(info)
 
     async def get_load(self, request: web.Request) -> web.Response:
         return web.json_response(self.engine.load())
@@ -308,7 +320,12 @@ class _Routes:
         try:
             # Decode every entry first: each decode releases the sender's in-flight reference
             # on its shared memory, and miles_transfer's sender assumes a 400 means "read".
-            decoded = [deserialize_named_tensors(p, load_format=load_format) for p in payloads]
+            decoded = [
+                deserialize_named_tensors(
+                    p, load_format=load_format, allow_pickle=self.allow_pickle
+                )
+                for p in payloads
+            ]
             _pop_known(body, allowed, "/update_weights_from_tensor")
             if len(decoded) != 1:
                 raise ValueError(
@@ -373,6 +390,7 @@ def build_app(
     max_request_mb: float = DEFAULT_MAX_REQUEST_MB,
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
     health_generate_timeout_s: float = _HEALTH_GENERATE_TIMEOUT_S,
+    allow_pickle_weights: bool = False,
 ) -> web.Application:
     """The aiohttp application (exposed for embedding in another aiohttp server).
 
@@ -386,6 +404,7 @@ def build_app(
         engine,
         max_queued_requests=max_queued_requests,
         health_generate_timeout_s=health_generate_timeout_s,
+        allow_pickle_weights=allow_pickle_weights,
     )
     # The key is checked first, before anything reads the body.
     app = web.Application(
@@ -454,6 +473,7 @@ def serve(
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
     health_generate_timeout_s: float = _HEALTH_GENERATE_TIMEOUT_S,
     sock: socket.socket | None = None,
+    allow_pickle_weights: bool = False,
 ) -> ServerHandle:
     """Serve ``engine`` over HTTP from a background thread; return once it accepts requests.
 
@@ -471,6 +491,8 @@ def serve(
             generation takes longer (and takes it out of the queue).
         sock: an already bound listening socket to serve on instead of ``host:port`` (a caller
             that bound port 0 itself passes the socket on, never the number).
+        allow_pickle_weights: also accept SGLang's pickled weight payloads (only from a
+            trusted sender: unpickling can be made to open files and sockets).
 
     Raises:
         ValueError: a non-loopback ``host`` without ``api_key`` or ``insecure_no_auth``, or a
@@ -486,6 +508,7 @@ def serve(
         max_request_mb=max_request_mb,
         max_queued_requests=max_queued_requests,
         health_generate_timeout_s=health_generate_timeout_s,
+        allow_pickle_weights=allow_pickle_weights,
     )
     logging.getLogger("aiohttp.server").addFilter(_PROBE_FILTER)  # idempotent (same object)
     if sock is None:

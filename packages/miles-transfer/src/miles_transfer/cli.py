@@ -3,7 +3,9 @@
 Run ``miles-transfer --help``. Each subcommand is one small function registered in
 ``build_parser``; new ones (e.g. ``delta encode/apply/verify``) add a subparser the same way.
 
-Exit codes: 0 success (or identical), 1 differences found, 2 bad input.
+Exit codes: 0 success (or identical), 1 differences found, 2 bad input: one line naming the
+problem and the fix (a damaged checkpoint or delta, a busy port, an unreachable engine);
+``--debug`` shows the traceback. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("digest", help="print a digest per tensor of a checkpoint")
@@ -104,14 +107,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     p.add_argument("--port", type=int, default=0, help="store port (0 picks a free one)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="sent to the engine, proven by every trainer rank (HMAC) and signing the "
+        "rendezvous values (default: $MILES_API_KEY; none: loopback only)",
+    )
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="allow a non-loopback --host without an API key (trusted networks only)",
+    )
     p.set_defaults(func=_cmd_p2p_agent)
     return parser
 
 
 def _cmd_p2p_agent(args: argparse.Namespace) -> int:
+    from miles_transfer.auth import resolve_api_key
     from miles_transfer.p2p.engine import run_agent
 
-    run_agent(args.engine_url, host=args.host, port=args.port, parent_pid=args.parent_pid)
+    run_agent(
+        args.engine_url,
+        host=args.host,
+        port=args.port,
+        parent_pid=args.parent_pid,
+        api_key=resolve_api_key(args.api_key),
+        insecure_no_auth=args.insecure_no_auth,
+    )
     return EXIT_OK
 
 
@@ -121,7 +143,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (ValueError, OSError) as e:
+    except KeyboardInterrupt:
+        print(f"miles-transfer {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        # Input and environment: values, files, sockets, a missing extra, a refused update.
+        expected = isinstance(e, ValueError | OSError | ImportError) or any(
+            c.__name__ in ("ReceiverError", "TransportError", "SafetensorError")
+            for c in type(e).__mro__
+        )
+        if args.debug or not expected:
+            raise
         print(f"miles-transfer {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

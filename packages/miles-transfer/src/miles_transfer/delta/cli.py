@@ -51,6 +51,8 @@ def _guard(fn: Any, args: argparse.Namespace) -> int:
         print(f"miles-transfer delta {args.delta_command}: mismatch: {e}", file=sys.stderr)
         return EXIT_MISMATCH
     except (ValueError, OSError, ImportError) as e:
+        if getattr(args, "debug", False):  # miles-transfer --debug: the traceback
+            raise
         print(f"miles-transfer delta {args.delta_command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

@@ -276,8 +276,71 @@ def _require(cond: bool, path: Path, what: str) -> None:
         raise ValueError(f"{path}: malformed delta manifest: {what}")
 
 
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_ref(mpath: Path, where: str, ref: Any, payload_size: int) -> None:
+    """A payload frame reference ``[offset, size, raw_size, xxh3_64 hex]`` inside the payload."""
+    _require(
+        isinstance(ref, list)
+        and len(ref) == 4
+        and all(_int(v) for v in ref[:3])
+        and isinstance(ref[3], str),
+        mpath,
+        f"{where} must be [offset, size, raw_size, checksum], got {json.dumps(ref)[:80]}",
+    )
+    _require(
+        ref[0] + ref[1] <= payload_size,
+        mpath,
+        f"{where} = bytes [{ref[0]}, {ref[0] + ref[1]}) lie beyond the payload ({payload_size})",
+    )
+
+
+def _check_tensor(mpath: Path, name: str, t: Any, payload_size: int) -> None:
+    """One ``tensors`` entry, field by field (a mistake names the tensor and the field)."""
+    where = f"tensors[{name!r}]"
+    _require(isinstance(t, dict), mpath, f"{where} must be an object")
+    _require(t.get("dtype") in SAFETENSORS_DTYPES, mpath, f"{where}.dtype {t.get('dtype')!r}")
+    shape = t.get("shape")
+    _require(
+        isinstance(shape, list) and all(_int(d) for d in shape),
+        mpath,
+        f"{where}.shape must be a list of integers >= 0, got {json.dumps(shape)[:80]}",
+    )
+    _require(isinstance(t.get("checksum"), str), mpath, f"{where}.checksum must be a string")
+    _require(t.get("op") in ("keep", "patch", "new"), mpath, f"{where}.op {t.get('op')!r}")
+    chunks = t.get("chunks")
+    _require(isinstance(chunks, list), mpath, f"{where}.chunks must be a list")
+    if not chunks:
+        return
+    n = t.get("chunk_elems")
+    _require(_int(n) and n > 0, mpath, f"{where}.chunk_elems must be an integer > 0, got {n!r}")
+    numel = math.prod(shape)
+    count = -(-numel // n)
+    for j, c in enumerate(chunks):
+        cw = f"{where}.chunks[{j}]"
+        _require(
+            isinstance(c, list) and len(c) == 4,
+            mpath,
+            f"{cw} must be [index, layout, changed, ref], got {json.dumps(c)[:80]}",
+        )
+        index, layout, changed, ref = c
+        _require(
+            _int(index) and index < count,
+            mpath,
+            f"{cw}: chunk index must be an integer in [0, {count}), got {json.dumps(index)}",
+        )
+        _require(layout in ("sparse", "dense"), mpath, f"{cw}: layout {layout!r}")
+        _require(_int(changed), mpath, f"{cw}: changed must be an integer >= 0, got {changed!r}")
+        _check_ref(mpath, f"{cw} ref", ref, payload_size)
+
+
 def load_manifest(delta_dir: str | Path) -> tuple[dict[str, Any], Path]:
     """Read and validate ``delta.json``; check the payload's size. Returns (manifest, payload).
+
+    Every field the readers use is checked here (types, ranges, frames inside the payload), so a
+    damaged manifest fails with the file and the field instead of deep inside a reader.
 
     Raises:
         ValueError: a missing, malformed or unsupported manifest, or a truncated payload.
@@ -302,17 +365,28 @@ def load_manifest(delta_dir: str | Path) -> tuple[dict[str, Any], Path]:
     for key in ("tensors", "files", "other_files", "base", "result", "payload_size"):
         _require(key in m, mpath, f"missing {key!r}")
     _require(isinstance(m["tensors"], dict) and isinstance(m["files"], list), mpath, "tables")
+    size_ok = _int(m["payload_size"])
+    _require(size_ok, mpath, f"payload_size must be an integer >= 0, got {m['payload_size']!r}")
     for name, t in m["tensors"].items():
+        _check_tensor(mpath, name, t, m["payload_size"])
+    for i, f in enumerate(m["files"]):
+        where = f"files[{i}]"
+        _require(isinstance(f, dict), mpath, f"{where} must be an object")
+        _require(isinstance(f.get("name"), str), mpath, f"{where}.name must be a string")
+        _check_ref(mpath, f"{where}.header", f.get("header"), m["payload_size"])
+        tensors = f.get("tensors")
         _require(
-            isinstance(t, dict)
-            and t.get("dtype") in SAFETENSORS_DTYPES
-            and isinstance(t.get("shape"), list)
-            and isinstance(t.get("checksum"), str)
-            and t.get("op") in ("keep", "patch", "new")
-            and isinstance(t.get("chunks"), list),
+            isinstance(tensors, list) and all(n in m["tensors"] for n in tensors),
             mpath,
-            f"tensor {name!r}",
+            f"{where}.tensors must list tensors of the manifest",
         )
+    _require(isinstance(m["other_files"], dict), mpath, "other_files must be an object")
+    for name, entry in m["other_files"].items():
+        where = f"other_files[{name!r}]"
+        _require(isinstance(entry, dict), mpath, f"{where} must be an object")
+        _require(isinstance(entry.get("checksum"), str), mpath, f"{where}.checksum: a string")
+        if "blob" in entry:
+            _check_ref(mpath, f"{where}.blob", entry["blob"], m["payload_size"])
     if not ppath.is_file():
         raise ValueError(f"{d}: {PAYLOAD} is missing; the delta is incomplete")
     size = os.path.getsize(ppath)

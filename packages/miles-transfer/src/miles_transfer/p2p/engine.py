@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from miles_transfer.auth import check_bind
 from miles_transfer.digest import tensor_digest
 from miles_transfer.p2p.layouts import (
     Layout,
@@ -53,6 +54,7 @@ from miles_transfer.p2p.layouts.base import local_box
 from miles_transfer.p2p.plan import TransferPlan, plan_transfer
 from miles_transfer.p2p.transfer import ShardReceiver, ShardSender
 from miles_transfer.p2p.transports import ShmTransport, TcpTransport
+from miles_transfer.p2p.transports.auth import SignedStore
 from miles_transfer.protocols import Store, Transport
 from miles_transfer.push.http import HTTPReceiver
 from miles_transfer.push.push import WeightMismatchError, push_weights
@@ -154,9 +156,18 @@ def _full_digests(rank: RankLayout, full: Mapping[str, torch.Tensor]) -> dict[st
     return out
 
 
-def _transport(kind: str, store: Store, rank: int, host: str, prefix: str) -> Transport:
+def _transport(
+    kind: str, store: Store, rank: int, host: str, prefix: str, api_key: str | None
+) -> Transport:
     cls = ShmTransport if kind == "shm" else TcpTransport
-    return cls(store, rank, host=host, prefix=f"{prefix}/mesh")
+    return cls(store, rank, host=host, prefix=f"{prefix}/mesh", api_key=api_key)
+
+
+def _signed(store: Store, api_key: str | None) -> Store:
+    """With a key, every Store value this side writes is signed and every one it reads checked."""
+    if api_key is None or isinstance(store, SignedStore):
+        return store
+    return SignedStore(store, api_key)
 
 
 def _wait(store: Any, key: str, alive: Callable[[], bool] | None = None) -> bytes:
@@ -210,6 +221,8 @@ class EngineSink:
         host: the address this side listens on.
         prefix: the key prefix in the store.
         pause_mode: SGLang's pause mode around the swap.
+        api_key: the trainer ranks must prove it on every connection; Store values are signed
+            (``transports/auth.py``). The same key as the sources'.
     """
 
     def __init__(
@@ -221,16 +234,17 @@ class EngineSink:
         host: str = "127.0.0.1",
         prefix: str = "miles-p2p",
         pause_mode: str = "in_place",
+        api_key: str | None = None,
     ) -> None:
         self.engine = engine
-        self.store = store
+        self.store = store = _signed(store, api_key)
         self.prefix = prefix
         self.pause_mode = pause_mode
         self.verify = bool(setup["verify"])
         src, dst = _layouts(setup)
         self.plan: TransferPlan = plan_transfer(src, dst)
         self.sources = src.world_size
-        self.transport = _transport(setup["transport"], store, self.sources, host, prefix)
+        self.transport = _transport(setup["transport"], store, self.sources, host, prefix, api_key)
         self.receiver = ShardReceiver(
             self.plan, 0, self.transport, bucket_bytes=int(setup["bucket_bytes"])
         )
@@ -360,6 +374,7 @@ class SourceEndpoint:
         prefix: the key prefix.
         alive: rank 0 checks it while waiting for the sink's answer (e.g. the agent process
             still runs).
+        api_key: proven on every connection to the sink; Store values are signed.
     """
 
     def __init__(
@@ -371,7 +386,9 @@ class SourceEndpoint:
         host: str = "127.0.0.1",
         prefix: str = "miles-p2p",
         alive: Callable[[], bool] | None = None,
+        api_key: str | None = None,
     ) -> None:
+        store = _signed(store, api_key)
         parsed = json.loads(setup)
         self.store, self.rank, self.prefix, self.alive = store, rank, prefix, alive
         self.verify = bool(parsed["verify"])
@@ -379,7 +396,7 @@ class SourceEndpoint:
         self.plan = plan_transfer(src, dst)
         if rank == 0:
             store.set(f"{prefix}/setup", setup)
-        self.transport = _transport(parsed["transport"], store, rank, host, prefix)
+        self.transport = _transport(parsed["transport"], store, rank, host, prefix, api_key)
         self.sender = ShardSender(
             self.plan, rank, self.transport, bucket_bytes=int(parsed["bucket_bytes"])
         )
@@ -429,24 +446,32 @@ def run_agent(
     prefix: str = "miles-p2p",
     parent_pid: int | None = None,
     out: Any = None,
+    api_key: str | None = None,
+    insecure_no_auth: bool = False,
 ) -> None:
     """The ``miles-transfer p2p-agent`` process: host the Store, receive, swap into the server.
 
     Prints ``p2p-agent ready at HOST:PORT`` (the address trainers connect to), then serves
-    updates until the trainer stops it (or ``parent_pid`` exits).
+    updates until the trainer stops it (or ``parent_pid`` exits). ``api_key`` is sent to the
+    engine, demanded from the trainer ranks on every connection and signs the Store's values.
+
+    Raises:
+        ValueError: a non-loopback ``host`` without ``api_key`` or ``insecure_no_auth``.
     """
+    check_bind(host, api_key, insecure_no_auth=insecure_no_auth, what="the p2p-agent")
     out = out or sys.stdout
-    engine = HTTPReceiver(engine_url)
-    store = torch.distributed.TCPStore(  # type: ignore[attr-defined]
+    engine = HTTPReceiver(engine_url, api_key=api_key)
+    rendezvous = torch.distributed.TCPStore(  # type: ignore[attr-defined]
         host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
     )
+    store = _signed(rendezvous, api_key)
 
     def alive() -> bool:
         return parent_pid is None or _pid_alive(parent_pid)
 
-    print(f"p2p-agent ready at {host}:{store.port}", file=out, flush=True)
+    print(f"p2p-agent ready at {host}:{rendezvous.port}", file=out, flush=True)
     setup = json.loads(_wait(store, f"{prefix}/setup", alive))
-    sink = EngineSink(engine, store, setup, host=host, prefix=prefix)
+    sink = EngineSink(engine, store, setup, host=host, prefix=prefix, api_key=api_key)
     try:
         sink.serve(alive)
     finally:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from miles_transfer.push.safe_wire import SAFE_FORMAT
+from miles_transfer.push.wire import FLATTENED_BUCKET as FLATTENED
 from miles_transfer.push.wire import discard_serialized, serialize_named_tensors
 
 __all__ = ["HTTPReceiver", "ReceiverError", "parse_dtype"]
@@ -51,9 +53,10 @@ def parse_dtype(name: str) -> torch.dtype:
 class HTTPReceiver:
     """Send weights to an SGLang(-compatible) server over HTTP.
 
-    Tensors travel as handles to shared memory (CPU) or CUDA IPC handles (GPU), never as bytes
-    in the request, so **the sender and the server must be on the same host** (and, on GPU, see
-    the same devices). See ``serialize_named_tensors`` for the shared-memory lifetime rules.
+    Tensors travel in shared memory (a safetensors file for Miles' servers, SGLang's pickled
+    handles to shared memory or CUDA IPC for SGLang), never as bytes in the request, so **the
+    sender and the server must be on the same host** (and, on GPU, see the same devices). See
+    ``serialize_named_tensors`` for the shared-memory lifetime rules.
 
     Proxies from the environment are ignored: engines are addressed directly.
 
@@ -61,7 +64,8 @@ class HTTPReceiver:
         base_url: e.g. ``"http://127.0.0.1:30000"``.
         dtype: the precision the server serves.
         tp_size: how many TP ranks read each payload.
-        load_format: ``"flattened_bucket"`` (default, one shared buffer per bucket) or ``None``.
+        load_format: ``"miles_safetensors"`` (Miles' servers: no pickle), ``"flattened_bucket"``
+            (SGLang: one shared buffer per bucket) or ``None``.
     """
 
     def __init__(
@@ -70,7 +74,7 @@ class HTTPReceiver:
         *,
         dtype: torch.dtype | str | None = None,
         tp_size: int | None = None,
-        load_format: str | None = "flattened_bucket",
+        load_format: str | None = "auto",
         timeout: float = 600.0,
         api_key: str | None = None,
     ) -> None:
@@ -81,7 +85,9 @@ class HTTPReceiver:
             base_url: the server's base URL.
             dtype: the served precision; read from the server's ``dtype`` when ``None``.
             tp_size: TP ranks behind the server; read from ``tp_size`` (default 1) when ``None``.
-            load_format: the ``load_format`` sent with every update.
+            load_format: the ``load_format`` sent with every update; ``"auto"``: what the
+                server lists in ``weight_load_formats`` (``miles_safetensors`` on Miles'
+                servers), else SGLang's ``flattened_bucket``.
             timeout: seconds to wait for any one request.
             api_key: sent as ``Authorization: Bearer`` if given.
 
@@ -93,13 +99,15 @@ class HTTPReceiver:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
-        self.load_format = load_format
         self.timeout = timeout
         self._api_key = api_key
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         info: dict[str, Any] = {}
         if dtype is None or tp_size is None:
             info = self._request("GET", "/get_server_info")
+        if load_format == "auto" and info:
+            load_format = _pick_format(info)
+        self._load_format = load_format  # "auto" (no server info yet): resolved at first update
         if dtype is None:
             served = info.get("dtype")
             if not isinstance(served, str) or served == "auto":
@@ -112,6 +120,13 @@ class HTTPReceiver:
         self.tp_size = int(tp_size if tp_size is not None else info.get("tp_size", 1))
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+
+    @property
+    def load_format(self) -> str | None:
+        """The ``load_format`` of every update (``"auto"`` asks the server once)."""
+        if self._load_format == "auto":
+            self._load_format = _pick_format(self._request("GET", "/get_server_info"))
+        return self._load_format
 
     def _request(self, method: str, path: str, body: Any = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
@@ -173,9 +188,12 @@ class HTTPReceiver:
             self._post_update("/update_weights_from_tensor", body)
         except _StatusError as e:
             # 400 is the handler's own "success: false" (it read the payload); 0 is unknown.
-            if e.status not in (0, 400):
+            if e.status not in (0, 400) and self.load_format != SAFE_FORMAT:
                 discard_serialized(payload, load_format=self.load_format, consumers=self.tp_size)
             raise
+        finally:
+            if self.load_format == SAFE_FORMAT:  # the sender owns the file: read or not
+                discard_serialized(payload, load_format=SAFE_FORMAT)
 
     def weights_checksum(self, names: Sequence[str] | None = None) -> dict[str, str]:
         """Ask the server for ``{name: tensor_digest}`` via the Miles ``/weights_checksum``.
@@ -254,6 +272,12 @@ class HTTPReceiver:
             yield
         finally:
             self.continue_generation()
+
+
+def _pick_format(info: Any) -> str:
+    """Miles' safe format where the server offers it, else SGLang's ``flattened_bucket``."""
+    offered = info.get("weight_load_formats") if isinstance(info, dict) else None
+    return SAFE_FORMAT if isinstance(offered, list) and SAFE_FORMAT in offered else FLATTENED
 
 
 class _StatusError(ReceiverError):

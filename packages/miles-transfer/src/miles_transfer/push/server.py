@@ -6,7 +6,10 @@ SGLang's API, with SGLang's request and answer shapes, plus the Miles ``/weights
 extension; there is no generation here. Standard library only (``http.server``).
 
 Status codes follow SGLang/FastAPI: 200 success, 400 the update was read and failed
-(``{"success": false, "message"}``), 404 unknown path, 422 malformed request (payload not read).
+(``{"success": false, "message"}``), 404 unknown path, 422 malformed request (payload not read),
+401 a missing or wrong API key (every request but ``GET /health`` when the server has one), 413
+a body over ``max_request_mb``. Payloads must be ``miles_safetensors`` (no pickle) unless the
+server was started with ``allow_pickle``.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from typing import Any
 
 import torch
 
+from miles_transfer.auth import bearer_ok, check_bind
 from miles_transfer.checkpoint import iter_safetensors
 from miles_transfer.protocols import WeightReceiver
-from miles_transfer.push.wire import deserialize_named_tensors, discard_serialized
+from miles_transfer.push.safe_wire import SAFE_FORMAT
+from miles_transfer.push.wire import FLATTENED_BUCKET, deserialize_named_tensors, discard_serialized
 
 __all__ = ["WeightServer"]
 
@@ -45,14 +50,37 @@ class WeightServer:
         pause_calls: the modes of every ``/pause_generation`` call (for tests and logs).
     """
 
-    def __init__(self, receiver: WeightReceiver, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        receiver: WeightReceiver,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        insecure_no_auth: bool = False,
+        allow_pickle: bool = False,
+        max_request_mb: float = 64.0,
+    ) -> None:
         """Start serving.
 
         Args:
             receiver: the weights to serve.
-            host: address to bind (keep loopback: payloads are trusted pickles, same host only).
+            host: address to bind (payloads live in shared memory: the sender is on this host).
             port: TCP port; 0 picks a free one.
+            api_key: require ``Authorization: Bearer <api_key>`` on every request but
+                ``GET /health``.
+            insecure_no_auth: allow a non-loopback ``host`` without ``api_key``.
+            allow_pickle: also accept SGLang's pickled payloads (``flattened_bucket``, the plain
+                list); only from a trusted sender.
+            max_request_mb: the largest request body read (413 above it).
+
+        Raises:
+            ValueError: a non-loopback ``host`` without ``api_key`` or ``insecure_no_auth``.
         """
+        check_bind(host, api_key, insecure_no_auth=insecure_no_auth, what="the weight server")
+        self.api_key = api_key
+        self.allow_pickle = allow_pickle
+        self.max_request_bytes = int(max_request_mb * 2**20)
         self.receiver = receiver
         self.paused = False
         self.pause_calls: list[str] = []
@@ -77,10 +105,12 @@ class WeightServer:
 
     def server_info(self) -> dict[str, Any]:
         """The ``/get_server_info`` answer: served dtype, TP size, current weight version."""
+        formats = [SAFE_FORMAT, *([FLATTENED_BUCKET, None] if self.allow_pickle else [])]
         return {
             "dtype": str(self.receiver.dtype).removeprefix("torch."),
             "tp_size": 1,
             "weight_version": getattr(self.receiver, "weight_version", None),
+            "weight_load_formats": formats,
         }
 
     def handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
@@ -124,11 +154,15 @@ class WeightServer:
             raise _BadRequestError("serialized_named_tensors must be a non-empty list")
         load_format = body.get("load_format")
         version = _opt_str(body.get("weight_version"))
-        # One TP rank here: read entry 0, release the references the others would have used.
-        for extra in payloads[1:]:
-            discard_serialized(extra, load_format=load_format)
         try:
-            named = deserialize_named_tensors(payloads[0], load_format=load_format)
+            # One TP rank here: read entry 0, release the references the others would have used
+            # (pickled payloads only: a safe payload's file belongs to its sender).
+            if load_format != SAFE_FORMAT and self.allow_pickle:
+                for extra in payloads[1:]:
+                    discard_serialized(extra, load_format=load_format)
+            named = deserialize_named_tensors(
+                payloads[0], load_format=load_format, allow_pickle=self.allow_pickle
+            )
             self.receiver.update_weights_from_tensor(
                 named, weight_version=version, flush_cache=bool(body.get("flush_cache", True))
             )
@@ -189,11 +223,37 @@ def _make_handler(server: WeightServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(raw)
 
+        def _allowed(self, method: str) -> bool:
+            """The API key check, before anything else is read (401 otherwise)."""
+            if server.api_key is None or (method == "GET" and self.path == "/health"):
+                return True
+            if bearer_ok(self.headers.get("Authorization"), server.api_key):
+                return True
+            self.close_connection = True  # the body (if any) is never read
+            self._answer(
+                HTTPStatus.UNAUTHORIZED,
+                {"detail": "missing or wrong API key: send 'Authorization: Bearer <key>'"},
+            )
+            return False
+
         def do_GET(self) -> None:
-            self._answer(*server.handle("GET", self.path, None))
+            if self._allowed("GET"):
+                self._answer(*server.handle("GET", self.path, None))
 
         def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
+            if not self._allowed("POST"):
+                return
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 <= length <= server.max_request_bytes:
+                self.close_connection = True
+                self._answer(
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    {"detail": f"the body must be 0..{server.max_request_bytes} bytes"},
+                )
+                return
             raw = self.rfile.read(length)
             try:
                 body = json.loads(raw) if raw else {}

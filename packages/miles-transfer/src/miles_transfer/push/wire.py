@@ -45,8 +45,10 @@ processes must be on the same host. Lifetime rules:
 
 Security: deserialising is unpickling. Our unpickler admits only the handful of torch rebuild
 functions and classes the format needs, but even those let a crafted payload make this process open
-arbitrary shared-memory files, IPC handles and local sockets. Only accept payloads from a trusted
-trainer over a trusted network, exactly as with SGLang itself.
+arbitrary shared-memory files, IPC handles and local sockets. So this format is what the real SGLang
+gets (it reads nothing else); Miles' own servers take ``load_format="miles_safetensors"``
+(``push/safe_wire.py``: a safetensors file in shared memory, nothing executable) and refuse pickled
+payloads from the network unless started with ``allow_pickle`` (``--allow-pickle-weights``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing.reductions as _reductions
+
+from miles_transfer.push.safe_wire import SAFE_FORMAT, discard_safe, read_safe, write_safe
 
 __all__ = ["deserialize_named_tensors", "discard_serialized", "serialize_named_tensors"]
 
@@ -259,18 +263,23 @@ def serialize_named_tensors(
 
     Args:
         named_tensors: ``(name, tensor)`` pairs, all on one device (cpu or cuda), dense.
-        load_format: ``"flattened_bucket"`` for SGLang's flattened-bucket layout; anything else
-            (``None``, ``"direct"``, a custom loader) gives the plain list of pairs.
+        load_format: ``"flattened_bucket"`` for SGLang's flattened-bucket layout;
+            ``"miles_safetensors"`` for the safe format of Miles' servers (a safetensors file in
+            ``/dev/shm``; the sender deletes it with ``discard_serialized`` once the request
+            returned); anything else (``None``, ``"direct"``, a custom loader) gives the plain
+            list of pairs.
         consumers: how many processes will deserialise this payload (one in-flight reference each).
 
     Returns:
-        The base64 text of the pickle.
+        The base64 text of the pickle (the safe format: ``{"path": ...}``).
 
     Raises:
         ValueError: no tensors, mixed devices, an unsupported device/layout, or ``consumers < 1``.
     """
     if consumers < 1:
         raise ValueError(f"consumers must be >= 1, got {consumers}")
+    if load_format == SAFE_FORMAT:
+        return write_safe(named_tensors)
     items = _check_named_tensors(named_tensors)
     obj: Any = _flatten(items) if load_format == FLATTENED_BUCKET else _as_list(items)
     buf = io.BytesIO()
@@ -364,13 +373,14 @@ def _reconstruct(flat: torch.Tensor, meta: FlattenedTensorMetadata) -> torch.Ten
 
 
 def deserialize_named_tensors(
-    payload: str | bytes, *, load_format: str | None = None
+    payload: str | bytes, *, load_format: str | None = None, allow_pickle: bool = True
 ) -> list[tuple[str, torch.Tensor]]:
     """Turn one ``serialized_named_tensors`` entry back into ``(name, tensor)`` pairs.
 
-    Unsafe on untrusted input: this unpickles (restricted to torch's rebuild functions, which
-    still open shared memory and IPC handles named by the payload). Accept payloads only from a
-    trusted trainer, as with SGLang. CPU payloads must come from the same host.
+    ``load_format="miles_safetensors"`` reads the safe format (``push/safe_wire.py``). Every
+    other format unpickles: unsafe on untrusted input (restricted to torch's rebuild functions,
+    which still open shared memory and IPC handles named by the payload), so a server passes
+    ``allow_pickle=False`` unless told otherwise. CPU payloads must come from the same host.
 
     The returned tensors map the sender's shared memory (no copy): copy them into your weights,
     then drop them so the shared file can be removed. Each call consumes one of the payload's
@@ -379,13 +389,23 @@ def deserialize_named_tensors(
     Args:
         payload: the base64 text (or raw pickle bytes) of one entry.
         load_format: the request's ``load_format``; ``"flattened_bucket"`` expects the bucket dict.
+        allow_pickle: accept the pickled formats (False: only ``miles_safetensors``).
 
     Returns:
         The pairs, in the sender's order.
 
     Raises:
-        ValueError: the payload is malformed, of the other format, or names a forbidden global.
+        ValueError: the payload is malformed, of the other format, names a forbidden global, or
+            is pickled while ``allow_pickle`` is False.
     """
+    if load_format == SAFE_FORMAT:
+        return read_safe(payload)
+    if not allow_pickle:
+        raise ValueError(
+            f"load_format {load_format!r} payloads are pickles, which this server does not "
+            f"accept: send load_format={SAFE_FORMAT!r} (miles_transfer.HTTPReceiver picks it by "
+            "itself), or start the server with --allow-pickle-weights on a trusted network"
+        )
     obj = _decode(payload)
     if load_format == FLATTENED_BUCKET:
         if not isinstance(obj, dict) or set(obj) != {"flattened_tensor", "metadata"}:
@@ -425,6 +445,12 @@ def discard_serialized(
         payload: the string returned by ``serialize_named_tensors``.
         load_format: the format it was serialised with.
         consumers: the ``consumers`` it was serialised with (minus those known to have read it).
+
+    A ``miles_safetensors`` payload's file is deleted whether or not it was read (the sender
+    owns it; a reader that has it open keeps reading).
     """
+    if load_format == SAFE_FORMAT:
+        discard_safe(str(payload if isinstance(payload, str) else payload.decode()))
+        return
     for _ in range(consumers):
         deserialize_named_tensors(payload, load_format=load_format)

@@ -17,6 +17,7 @@ from miles.weight_sync.delta import DeltaSync
 from miles.weight_sync.p2p import P2PSync
 from miles.weight_sync.push import PushSync
 from miles_transfer import WeightReceiver
+from miles_transfer.auth import resolve_api_key
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
@@ -51,6 +52,7 @@ def build_weight_sync(
             agent=t.p2p.agent,
             bucket_bytes=bucket_bytes,
             verify=t.verify,
+            api_key=resolve_api_key(cfg.rollout.api_key),
         )
     if t.method == "delta":
         owns_root = t.delta.dir is None

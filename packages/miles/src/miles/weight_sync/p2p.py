@@ -108,9 +108,12 @@ class P2PSync:
         agent: str | None = None,
         bucket_bytes: int = 64 << 20,
         verify: bool = True,
+        api_key: str | None = None,
     ) -> None:
         self.receiver = receiver
         self.engine_url = engine_url
+        # Proven on every mesh connection, signing the rendezvous; the agent gets it too.
+        self.api_key = api_key
         self.transport = transport
         self.host = host
         self.agent = agent
@@ -190,13 +193,17 @@ class P2PSync:
         assert addr is not None
         store = self._master_store if rank == 0 and embedded else _store(*addr)
         if rank == 0 and embedded:
-            self._sink = EngineSink(self.receiver, store, json.loads(setup), host=self.host)
+            self._sink = EngineSink(
+                self.receiver, store, json.loads(setup), host=self.host, api_key=self.api_key
+            )
             self._sink_thread = threading.Thread(
                 target=self._sink.serve, name="p2p-engine-sink", daemon=True
             )
             self._sink_thread.start()
         alive = self._agent_alive if self._agent_proc is not None else None
-        self._endpoint = SourceEndpoint(store, rank, setup, host=self.host, alive=alive)
+        self._endpoint = SourceEndpoint(
+            store, rank, setup, host=self.host, alive=alive, api_key=self.api_key
+        )
         if rank == 0:
             atexit.register(self.close)
 
@@ -217,7 +224,10 @@ class P2PSync:
             "--parent-pid",
             str(os.getpid()),
         ]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        env = {k: v for k, v in os.environ.items() if k != "MILES_API_KEY"}
+        if self.api_key is not None:
+            env["MILES_API_KEY"] = self.api_key  # not on a command line that ps shows
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         self._agent_proc = proc
         assert proc.stdout is not None
         line = proc.stdout.readline()  # blocks until the agent prints its address (or exits)

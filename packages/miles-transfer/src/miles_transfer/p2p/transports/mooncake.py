@@ -69,9 +69,19 @@ class MooncakeTransport(SocketMesh):
         device: str = "",
         prefix: str = "miles-p2p",
         timeout: float = 300.0,
+        api_key: str | None = None,
+        insecure_no_auth: bool = False,
     ) -> None:
         engine_cls = _engine_class()
-        super().__init__(store, rank, host=host, prefix=prefix, timeout=timeout)
+        super().__init__(
+            store,
+            rank,
+            host=host,
+            prefix=prefix,
+            timeout=timeout,
+            api_key=api_key,
+            insecure_no_auth=insecure_no_auth,
+        )
         self._engine = engine_cls()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
@@ -80,7 +90,7 @@ class MooncakeTransport(SocketMesh):
                 f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) "
                 f"returned {rc}"
             )
-        store.set(f"{prefix}/mooncake/{rank}", f"{host}:{self._engine.get_rpc_port()}")
+        self._store.set(f"{prefix}/mooncake/{rank}", f"{host}:{self._engine.get_rpc_port()}")
         self._registered: dict[int, int] = {}
         self._targets: dict[int, str] = {}
 

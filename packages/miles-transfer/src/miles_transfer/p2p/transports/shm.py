@@ -39,9 +39,19 @@ class ShmTransport(SocketMesh):
         host: str = "127.0.0.1",
         prefix: str = "miles-p2p",
         timeout: float = 300.0,
+        api_key: str | None = None,
+        insecure_no_auth: bool = False,
         shm_dir: str = "/dev/shm",
     ) -> None:
-        super().__init__(store, rank, host=host, prefix=prefix, timeout=timeout)
+        super().__init__(
+            store,
+            rank,
+            host=host,
+            prefix=prefix,
+            timeout=timeout,
+            api_key=api_key,
+            insecure_no_auth=insecure_no_auth,
+        )
         self._dir = shm_dir
         self._tag = uuid.uuid4().hex[:12]
         self._out_seg: dict[int, torch.Tensor] = {}

@@ -6,16 +6,23 @@ torch only, no extra service), and a sender opens one connection per receiver on
 
 `TcpTransport` streams each message over the sender's connection to the receiver (`sendall` /
 `recv_into` on the tensors' memory, no intermediate copies in Python).
+
+With ``api_key`` every connection proves the key both ways and every Store value is signed
+(``transports/auth.py``); without one, a non-loopback ``host`` refuses to start unless
+``insecure_no_auth``.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import threading
 
 import torch
 
+from miles_transfer.auth import check_bind
+from miles_transfer.p2p.transports.auth import SignedStore, accept_handshake, connect_handshake
 from miles_transfer.p2p.transports.base import (
     Store,
     TransportError,
@@ -27,6 +34,7 @@ from miles_transfer.p2p.transports.base import (
 
 __all__ = ["SocketMesh", "TcpTransport"]
 
+logger = logging.getLogger(__name__)
 _HELLO = struct.Struct("<q")
 _SOCK_BUF = 8 << 20
 
@@ -40,6 +48,11 @@ class SocketMesh:
         host: address to listen on and publish (loopback by default).
         prefix: key prefix in the store (use one per group sharing a store).
         timeout: seconds any blocking operation may take before TransportError.
+        api_key: every peer must prove it (HMAC challenge) and Store values are signed.
+        insecure_no_auth: allow a non-loopback ``host`` without ``api_key``.
+
+    Raises:
+        ValueError: a non-loopback ``host`` without ``api_key`` or ``insecure_no_auth``.
     """
 
     def __init__(
@@ -50,7 +63,13 @@ class SocketMesh:
         host: str = "127.0.0.1",
         prefix: str = "miles-p2p",
         timeout: float = 300.0,
+        api_key: str | None = None,
+        insecure_no_auth: bool = False,
     ) -> None:
+        check_bind(host, api_key, insecure_no_auth=insecure_no_auth, what="the P2P mesh")
+        self._key = api_key.encode() if api_key else None
+        if api_key and not isinstance(store, SignedStore):
+            store = SignedStore(store, api_key)
         self._rank, self._store, self._prefix, self._timeout = rank, store, prefix, timeout
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(0.5)
@@ -85,8 +104,12 @@ class SocketMesh:
                 return
             self._tune(conn)
             try:
-                (peer,) = _HELLO.unpack(recv_bytes(conn, _HELLO.size))
-            except (OSError, TransportError):
+                if self._key is not None:
+                    peer = accept_handshake(conn, self._key)
+                else:
+                    (peer,) = _HELLO.unpack(recv_bytes(conn, _HELLO.size))
+            except (OSError, TransportError, struct.error) as exc:
+                logger.warning("p2p rank %d: refused a connection (%s)", self._rank, exc)
                 conn.close()
                 continue
             with self._cv:
@@ -102,7 +125,14 @@ class SocketMesh:
             host, port = self._store.get(key).decode().rsplit(":", 1)
             s = socket.create_connection((host, int(port)), timeout=self._timeout)
             self._tune(s)
-            s.sendall(_HELLO.pack(self._rank))
+            try:
+                if self._key is not None:
+                    connect_handshake(s, self._rank, self._key)
+                else:
+                    s.sendall(_HELLO.pack(self._rank))
+            except BaseException:
+                s.close()
+                raise
             self._out[peer] = s
         return s
 
