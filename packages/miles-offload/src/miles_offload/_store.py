@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeGuard
 
 import torch
 
@@ -51,7 +51,7 @@ _MANIFEST_FORMAT = "miles-offload-manifest"
 VisitFn = Callable[[Bucket, torch.Tensor], None]
 
 
-def _int(value: Any) -> bool:
+def _int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -20,7 +20,7 @@ try:
         raise ImportError("disabled by MILES_TRANSFER_DISABLE_NATIVE=1")
     if importlib.util.find_spec("miles_transfer._ext") is None:
         raise ImportError("not built (no C++ compiler when miles-transfer was installed)")
-    from miles_transfer import _ext as ext  # type: ignore[attr-defined,no-redef]
+    from miles_transfer import _ext as ext  # type: ignore[attr-defined,no-redef,unused-ignore]
 
     error = None
 except ImportError as exc:  # not built (no compiler at install), or another Python / platform

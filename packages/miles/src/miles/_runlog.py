@@ -45,7 +45,7 @@ def _wandb_run(run_dir: Path, *, project: str, mode: str, name: str, config: Any
         project=project,
         name=name,
         dir=str(run_dir),
-        mode=mode,  # type: ignore[arg-type]  # checked by RunSettings: "offline" | "online"
+        mode=mode,  # type: ignore[arg-type,unused-ignore]  # checked by RunSettings: "offline" | "online"
         config=config,
         settings=wandb.Settings(console="off", silent=True),
     )
