@@ -72,10 +72,12 @@ def _args(model: Path, run: Path, steps: int, *extra: str) -> list[str]:
 
 
 def _rows(run: Path) -> list[dict]:
+    """The training rows of the run's metrics.jsonl (evaluation rows, if any, left out)."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "rollout/reward_mean" in r]
 
 
 def _tree(root: int) -> dict[int, tuple[int, str]]:
