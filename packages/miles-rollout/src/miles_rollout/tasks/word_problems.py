@@ -4,11 +4,12 @@
     Mia have now? Answer with just the number."  -> label 5
 
 One to ``max_steps`` operations (add, take away, groups of) on small numbers, in plain
-English; every intermediate count stays positive. The reward is 1.0 when the *first* number
-in the response is the answer: a model that restates the question ("Mia has 4 apples and...")
-scores 0, one that answers first scores 1, which is what a 135M instruct model learns by RL on
-a CPU within minutes (docs/benchmarks.md, "SmolLM2 word problems"). ``heldout(n)`` draws from a
-separate seeded stream, so evaluation prompts are never training prompts of the same seed.
+English; every intermediate count stays positive. The reward is 1.0 when the *last* number in
+the response is the answer ("Ana has 1 + 3 = 4 marbles." scores 1; a response cut off before
+its answer, or one that ends on another number, scores 0). SmolLM2-135M-Instruct starts low
+on one-step problems and RL on a CPU raises it (docs/benchmarks.md, "SmolLM2 word problems").
+``heldout(n)`` draws from a separate seeded stream, so evaluation prompts are never training
+prompts of the same seed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from miles_rollout.types import PromptItem
 
-__all__ = ["WordProblemTask", "first_number"]
+__all__ = ["WordProblemTask", "last_number"]
 
 _NAMES = [
     ("Mia", "She"),
@@ -37,10 +38,10 @@ _NUMBER = re.compile(r"-?\d+")
 _HELDOUT_OFFSET = 1_000_003
 
 
-def first_number(text: str) -> int | None:
-    """The first integer in ``text`` (digits only; ``None`` when there is none)."""
-    m = _NUMBER.search(text or "")
-    return int(m.group()) if m else None
+def last_number(text: str) -> int | None:
+    """The last integer in ``text`` (``None`` when there is none)."""
+    found = _NUMBER.findall(text or "")
+    return int(found[-1]) if found else None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,7 +58,7 @@ class WordProblemTask:
 
     max_number: int = 10
     max_steps: int = 2
-    multiply: bool = True
+    multiply: bool = False
     instruction: str = "Answer with just the number."
     seed: int = 0
     _rng: random.Random = field(init=False, repr=False)
@@ -107,5 +108,5 @@ class WordProblemTask:
 
     @staticmethod
     def reward(response: str, label: Any) -> float:
-        """1.0 when the first number in the response is the answer."""
-        return 1.0 if first_number(response) == int(label) else 0.0
+        """1.0 when the last number in the response is the answer."""
+        return 1.0 if last_number(response) == int(label) else 0.0
