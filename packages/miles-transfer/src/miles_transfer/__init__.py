@@ -3,7 +3,8 @@
 Three ways, one subpackage each:
 
 - ``miles_transfer.push``: gather full tensors and send them in buckets (``push_module_weights``
-  into an ``HTTPReceiver`` or ``ModuleReceiver``), then compare per-tensor digests.
+  into an ``HTTPReceiver``, a ``ModuleReceiver``, or a ``ColocatedReceiver`` for an engine on
+  the trainer's GPUs: CUDA IPC handles), then compare per-tensor digests.
 - ``miles_transfer.p2p``: every trainer rank sends its own shards, re-sharded into each engine
   rank's layout (``plan_transfer``, ``ShardSender``, ``ShardReceiver``; ``p2p.layouts``,
   ``p2p.transports``).
@@ -28,12 +29,14 @@ from miles_transfer.digest import tensor_digest
 from miles_transfer.p2p.plan import plan_transfer
 from miles_transfer.p2p.transfer import ShardReceiver, ShardSender
 from miles_transfer.protocols import WeightReceiver
+from miles_transfer.push.colocated import ColocatedReceiver
 from miles_transfer.push.http import HTTPReceiver
 from miles_transfer.push.module_receiver import ModuleReceiver
 from miles_transfer.push.push import SyncReport, push_module_weights, push_weights
 from miles_transfer.version import __version__
 
 __all__ = [
+    "ColocatedReceiver",
     "DeltaPublisher",
     "DeltaSubscriber",
     "HTTPReceiver",
