@@ -183,7 +183,7 @@ class _IPCPickler(_WirePickler):
         args = list(args)
         if isinstance(args[_DEVICE_ARG], int) and self._uuid is not None:
             args[_DEVICE_ARG] = self._uuid
-        if self._handle_version is not None:
+        if self._handle_version is not None and args[_HANDLE_ARG] is not None:  # None: empty
             args[_HANDLE_ARG] = _with_version(args[_HANDLE_ARG], self._handle_version)
         self.storages.append(
             SharedStorage(

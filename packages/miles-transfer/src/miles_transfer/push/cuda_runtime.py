@@ -129,6 +129,8 @@ def read_span(span: IPCSpan) -> bytes:
         RuntimeError: a CUDA call failed.
     """
     rt = runtime()
+    if span.nbytes == 0:
+        return b""  # an empty tensor: its storage may have no handle at all
     ref = span.ref
     cuda_handle = parse_torch_handle(ref.handle).cuda_handle
     if cuda_handle is None:
