@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.timeout(900)
+STEPS = 6
 
 
 def _args(model: Path, run: Path, steps: int, *sets: str) -> list[str]:
@@ -69,7 +70,7 @@ def test_fleet_engine_killed_mid_run(tiny_model: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     sets = ("fleet={engines: 2, replace_dead_engines: true}", "rollout.max_staleness=8")
     proc = subprocess.Popen(
-        _args(tiny_model, run, 4, *sets),
+        _args(tiny_model, run, STEPS, *sets),
         cwd=tmp_path,
         env=_env(),
         stdout=subprocess.PIPE,
@@ -79,26 +80,29 @@ def test_fleet_engine_killed_mid_run(tiny_model: Path, tmp_path: Path) -> None:
     try:
         deadline = time.monotonic() + 600
         while not _rows(run) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.05)
         assert _rows(run), "the run did not finish its first step"
         engines = _engine_pids(proc.pid)
         assert len(engines) == 2, engines
         os.kill(engines[0], signal.SIGKILL)
+        # Steps still to run after the kill (a death is in the rows of steps after it).
+        steps_at_kill = len(_rows(run))
         _out, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
     rows = _rows(run)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert steps_at_kill < STEPS, "the run ended before the engine was killed"
     # Every update reached every live engine, bit for bit (a replacement included once it
-    # joined; whether it joins within these four steps depends on the machine's speed: the
+    # joined; whether it joins within these steps depends on the machine's speed: the
     # catch-up itself is tested in packages/miles/tests/test_fanout.py).
     assert all(r["update/verified"] for r in rows)
     assert rows[-1]["fleet/engine_deaths"] == 1
     assert rows[-1]["fleet/engines_started"] in (2, 3)
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     # Nothing double-counted: each step trained exactly one batch; versions never ran ahead.
-    assert [sum(s["step"] == k for s in samples) for k in (1, 2, 3, 4)] == [16] * 4
+    assert [sum(s["step"] == k for s in samples) for k in range(1, STEPS + 1)] == [16] * STEPS
     assert all(s["staleness"] >= 0 for s in samples)
     assert _engine_pids(proc.pid) == []  # the fleet stopped what it started

@@ -86,6 +86,8 @@ class Fleet:
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="miles-fleet-"))
         self._launcher: Launcher | None = None  # where the processes run (made by start())
         self._lock = threading.RLock()  # engines, events, counters
+        # One process check at a time (the monitor's and metrics()'s): a death is seen once.
+        self._check_lock = threading.Lock()
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self._replacements: list[threading.Thread] = []
@@ -301,6 +303,10 @@ class Fleet:
                 logger.exception("fleet: monitor step failed")
 
     def _check_processes(self) -> None:
+        with self._check_lock:
+            self._check_processes_locked()
+
+    def _check_processes_locked(self) -> None:
         if self.router is not None and not self._router_died:
             status = self.router.poll()
             if status is not None:
@@ -382,7 +388,12 @@ class Fleet:
     def metrics(self) -> dict[str, float]:
         """Namespaced numbers: engine counts, deaths, sessions moved, prefix-cache tokens lost
         with dead engines, the router's routing decisions (``fleet/router/<branch>``) and each
-        engine's last polled counters (``fleet/engine<i>/<name>``, summed over DP ranks)."""
+        engine's last polled counters (``fleet/engine<i>/<name>``, summed over DP ranks).
+
+        Process exits are checked here too (a non-blocking poll), not only by the monitor
+        every ``monitor_interval_s``: an engine that died during a step is in that step's row."""
+        if not self._closed:
+            self._check_processes()
         with self._lock:
             engines = list(self.engines)
             out: dict[str, float] = {
