@@ -69,7 +69,7 @@ $(OFFLOAD_NATIVE): $(OFFLOAD_SOURCES) | $(STAMP)
 
 demo: setup
 	$(BIN)/python tools/make_tiny_model.py
-	$(BIN)/miles train arith-tiny
+	$(BIN)/miles train arith-demo
 
 lint: setup
 	$(BIN)/ruff check .

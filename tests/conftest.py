@@ -30,11 +30,3 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tool = load_tool("make_tiny_model")
     out = tmp_path_factory.mktemp("models") / "tiny-qwen3-arith"
     return Path(tool.build(tool.TinyModelSpec(sft_steps=20), out, quiet=True))
-
-
-@pytest.fixture(scope="session")
-def demo_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo policy built exactly as `make demo` builds it (default spec), in a fresh dir."""
-    tool = load_tool("make_tiny_model")
-    out = tmp_path_factory.mktemp("models") / "demo-policy"
-    return Path(tool.build(tool.TinyModelSpec(), out, quiet=True))

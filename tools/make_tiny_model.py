@@ -2,8 +2,16 @@
 
 Why: Miles must run a real RL loop on a 2-core laptop CPU with no model download. This tool
 makes a character-level tokenizer (a real HF fast tokenizer with a Qwen-style chat template),
-a tiny Qwen3-architecture model from a config, and briefly supervises it on the arithmetic task
-so that RL starts from a policy that is sometimes right (reward rises from there).
+a tiny Qwen3-architecture model from a config, and briefly supervises it on two-digit addition.
+
+The warm-up leaves room for RL to show: its labels are imperfect the way a careless teacher's
+are. On problems whose units digits carry, a share ``carry_noise`` (55%) of the labels forget
+the carry (``57+68=115``), so the policy learns to forget it more often than not: its greedy
+answers are right on the problems without a units carry and mostly wrong on the others (about
+half of all problems), while a right answer is still among its samples. RL with the task's
+exact-match reward then has something real to teach: carrying, measured on problems it never
+trains on. The warm-up draws only from the task's training partition (``sample``), never from
+the held-out problems (``heldout``) the run evaluates on.
 
 The output is a plain HF checkpoint directory (config.json, model.safetensors, tokenizer files)
 and is cached: a second call with the same settings returns at once.
@@ -17,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import string
 import sys
@@ -48,10 +57,17 @@ class TinyModelSpec:
     sft_steps: int = 600
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
-    sft_label_smoothing: float = 0.3
+    sft_label_smoothing: float = 0.05
+    carry_noise: float = 0.55
     max_operand: int = 99
     ops: str = "+"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.carry_noise <= 1.0:
+            raise ValueError(f"carry_noise must be in [0, 1], got {self.carry_noise}")
+        if self.carry_noise and self.ops != "+":
+            raise ValueError(f"carry_noise applies to addition only (ops '+'), got {self.ops!r}")
 
 
 def default_cache_dir() -> Path:
@@ -77,7 +93,15 @@ def build_tokenizer():  # type: ignore[no-untyped-def]
     )
 
 
-def _sft_batch(tok, task, n: int):  # type: ignore[no-untyped-def]
+def warmup_answer(item, carry_noise: float, rng: random.Random) -> str:  # type: ignore[no-untyped-def]
+    """The warm-up's label for ``a+b=``: the sum, except that a problem whose units digits
+    carry gets the sum without that carry (``a + b - 10``) with probability ``carry_noise``."""
+    a, b = (int(x) for x in str(item.messages[-1]["content"]).rstrip("=").split("+"))
+    forgets = (a % 10) + (b % 10) >= 10 and rng.random() < carry_noise
+    return str(a + b - 10 if forgets else a + b)
+
+
+def _sft_batch(tok, task, n: int, carry_noise: float, rng: random.Random):  # type: ignore[no-untyped-def]
     """Right-padded (input_ids, labels) with loss on the answer and the end-of-turn token."""
     seqs, labels = [], []
     for _ in range(n):
@@ -87,7 +111,7 @@ def _sft_batch(tok, task, n: int):  # type: ignore[no-untyped-def]
                 item.messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         )
-        answer_ids = tok(task.answer_text(item), add_special_tokens=False).input_ids
+        answer_ids = tok(warmup_answer(item, carry_noise, rng), add_special_tokens=False).input_ids
         ids = prompt_ids + answer_ids + [tok.eos_token_id]
         seqs.append(ids)
         labels.append([-100] * len(prompt_ids) + answer_ids + [tok.eos_token_id])
@@ -123,6 +147,7 @@ def build(spec: TinyModelSpec, out: Path, *, quiet: bool = False) -> Path:
     model = Qwen3ForCausalLM(config)
     # A different stream from the RL prompts (seed + 1000), so warm-up does not see RL prompts.
     task = ArithmeticTask(max_operand=spec.max_operand, ops=spec.ops, seed=spec.seed + 1000)
+    noise_rng = random.Random(spec.seed + 5)  # which carrying problems' labels forget it
     opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / max(1, spec.sft_steps))
@@ -130,7 +155,7 @@ def build(spec: TinyModelSpec, out: Path, *, quiet: bool = False) -> Path:
     model.train()
     t0 = time.perf_counter()
     for step in range(spec.sft_steps):
-        input_ids, labels = _sft_batch(tok, task, spec.sft_batch_size)
+        input_ids, labels = _sft_batch(tok, task, spec.sft_batch_size, spec.carry_noise, noise_rng)
         logits = model(input_ids=input_ids).logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
@@ -189,12 +214,21 @@ def main(argv: list[str] | None = None) -> int:
     defaults = TinyModelSpec()
     p.add_argument("--sft-steps", type=int, default=defaults.sft_steps)
     p.add_argument("--label-smoothing", type=float, default=defaults.sft_label_smoothing)
+    p.add_argument(
+        "--carry-noise",
+        type=float,
+        default=defaults.carry_noise,
+        help="share of carrying problems whose warm-up label forgets the carry",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even when up to date")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     spec = TinyModelSpec(
-        sft_steps=args.sft_steps, sft_label_smoothing=args.label_smoothing, seed=args.seed
+        sft_steps=args.sft_steps,
+        sft_label_smoothing=args.label_smoothing,
+        carry_noise=args.carry_noise,
+        seed=args.seed,
     )
     out = args.out or default_cache_dir() / "tiny-qwen3-arith"
     if args.force:

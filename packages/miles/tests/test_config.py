@@ -89,3 +89,13 @@ def test_malformed_and_missing_recipe_files(tmp_path: Path) -> None:
         load_recipe(str(tmp_path / "missing.yaml"))
     with pytest.raises(ValueError, match=r"unknown recipe 'nope'.*arith-tiny"):
         load_recipe("nope")
+
+
+def test_the_demo_recipe_is_arith_tiny_with_heldout_evaluation(tmp_path: Path) -> None:
+    demo = load_recipe("arith-demo", [f"model_path={tmp_path}"])
+    base = load_recipe("arith-tiny", [f"model_path={tmp_path}"])
+    assert demo.eval.mode == "shared"
+    assert (demo.eval.num_prompts, demo.eval.sampled_n) == (200, 4)
+    assert (demo.run.eval_every, demo.run.num_steps) == (50, 300)
+    assert base.run.eval_every == 0
+    assert demo.trainer == base.trainer and demo.task == base.task

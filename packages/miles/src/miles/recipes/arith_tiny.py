@@ -1,8 +1,9 @@
-"""arith-tiny: the CPU demo. GRPO on two-digit addition with a tiny Qwen3 policy.
+"""arith-tiny: GRPO on two-digit addition with the tiny demo policy, no evaluation (a base).
 
-The policy is built and briefly warmed up by ``tools/make_tiny_model.py`` (``make demo`` runs
-it first); it starts out sometimes right and RL makes it reliably right within minutes on a
-2-core CPU.
+The quick base the tests, benchmarks and ``arith-demo`` start from: the policy is the one
+``tools/make_tiny_model.py`` builds (``make demo`` runs it first), the task keeps its held-out
+partition out of training, and nothing is evaluated unless ``run.eval_every`` is set.
+``arith-demo`` is the demo: the same run with held-out evaluation.
 """
 
 from __future__ import annotations
