@@ -22,7 +22,7 @@ ROLLOUT_SOURCES := packages/miles-rollout/CMakeLists.txt $(shell find native/rol
 OFFLOAD_NATIVE := $(VENV)/.miles-offload-native
 OFFLOAD_SOURCES := packages/miles-offload/CMakeLists.txt $(shell find native/offload -type f ! -name BUILD 2>/dev/null)
 
-.PHONY: setup demo test lint typecheck pytest pytest-all pants-test pants-packages clean
+.PHONY: setup demo test lint typecheck pytest pytest-all bench pants-test pants-packages clean
 
 setup: $(STAMP) $(QUANT_NATIVE) $(TRANSFER_NATIVE) $(ROLLOUT_NATIVE) $(OFFLOAD_NATIVE)
 
@@ -88,6 +88,15 @@ pytest: setup
 # Every package's tests and the top-level ones in the dev venv (no Pants; for local iteration).
 pytest-all: setup
 	PYTHONFAULTHANDLER=1 $(BIN)/pytest -q packages tests
+
+# The benchmark suite (pytest-benchmark, tools/bench/suite/, about 20 s): each of our hot paths
+# beside its peer or memcpy, one JSON per run under runs/bench/ (docs/benchmarks.md). Its files
+# are bench_*.py, so no test run collects them.
+bench: setup
+	mkdir -p runs/bench
+	$(BIN)/pytest -q tools/bench/suite -o python_files='bench_*.py' -p no:cacheprovider \
+	  --benchmark-only --benchmark-group-by=group \
+	  --benchmark-json=runs/bench/suite-$$(date +%Y%m%d-%H%M%S).json
 
 # Every check, each test once: lint, types and the top-level tests in the dev venv, then each
 # package's tests through Pants with only that package's declared dependencies (docs/ci.md).
