@@ -18,7 +18,10 @@ from miles_transfer.push import WeightServer
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("transfer.method=rsync", "transfer.method must be one of ['push', 'p2p', 'delta']"),
+        (
+            "transfer.method=rsync",
+            "transfer.method must be one of ['push', 'p2p', 'delta', 'colocated']",
+        ),
         ("transfer.p2p.transport=rdma", "transfer.p2p.transport must be one of ['tcp', 'shm']"),
         ("transfer.p2p.agent=localhost", "transfer.p2p.agent must be 'host:port'"),
         ("transfer.delta.encoding=gzip", "transfer.delta.encoding must be one of"),

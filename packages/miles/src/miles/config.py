@@ -12,7 +12,7 @@ YAML shape (every section optional except ``model_path``)::
     trainer:  {lr: 1e-4, loss: {clip_low: 0.2}}               # miles_trainer.TrainerConfig
     rollout:  {prompts_per_step: 16, n_samples_per_prompt: 8}
     task:     {name: arithmetic, params: {max_operand: 99}}
-    transfer: {method: push, bucket_mb: 64, verify: true}        # push | p2p | delta
+    transfer: {method: push, bucket_mb: 64, verify: true}   # push | p2p | delta | colocated
     run:      {num_steps: 60, save_every: 0}
     ray:      {trainer_ranks: 2, cpus_per_rank: 1}               # only under miles train --ray
 """
@@ -38,6 +38,7 @@ from miles_rollout.fleet import FleetConfig
 from miles_trainer import TrainerConfig
 
 __all__ = [
+    "ColocatedSettings",
     "DeltaSettings",
     "EvalSettings",
     "P2PSettings",
@@ -208,7 +209,7 @@ class TaskSettings:
             )
 
 
-TRANSFER_METHODS = ("push", "p2p", "delta")
+TRANSFER_METHODS = ("push", "p2p", "delta", "colocated")
 _P2P_TRANSPORTS = ("tcp", "shm")
 _DELTA_ENCODINGS = ("xor", "overwrite")
 
@@ -273,6 +274,36 @@ class DeltaSettings:
 
 
 @dataclass(kw_only=True, slots=True)
+class ColocatedSettings:
+    """``transfer.method: colocated``: the engine shares the trainer's host (and GPUs); every
+    trainer rank on an engine TP rank's GPU sends its own copy (CUDA IPC handles on GPU,
+    shared memory on CPU) in one SGLang ``update_weights_from_tensor`` request.
+
+    Attributes:
+        allow_pickle_weights: the opt-in this method needs: its payloads are SGLang's torch
+            pickles, which an engine must take only from a trusted sender. The embedded engine
+            accepts them with this key (on a loopback server with a key of the run's own); an
+            engine at ``rollout.engine_url`` needs its own opt-in (``miles-rollout serve
+            --allow-pickle-weights``; SGLang always accepts them).
+        handle_version: GPU: rewrite the version byte of CUDA IPC handles (``2`` for an engine
+            on torch <= 2.12 when the trainer runs torch 2.13); ``null`` keeps torch's.
+        check_handles: GPU: check every CUDA IPC payload with cuda-python before sending
+            (``pip install 'miles-transfer[cuda]'``).
+    """
+
+    allow_pickle_weights: bool = False
+    handle_version: int | None = None
+    check_handles: bool = False
+
+    def __post_init__(self) -> None:
+        if self.handle_version is not None and not 0 <= self.handle_version <= 255:
+            raise ValueError(
+                f"transfer.colocated.handle_version must be a byte value (0-255) or null, got "
+                f"{self.handle_version}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
 class TransferSettings:
     """Weight sync from the trainer to the engines.
 
@@ -280,11 +311,14 @@ class TransferSettings:
         method: ``"push"``: gather full tensors, send buckets from rank 0 (every engine).
             ``"p2p"``: every trainer rank sends its own shards straight into the engine's
             layout (``p2p``). ``"delta"``: publish disk deltas the engines pull and apply
-            before a swap-only pause (``delta``).
+            before a swap-only pause (``delta``). ``"colocated"``: every trainer rank on the
+            engine's GPUs shares its own copy with the engine's TP rank there, CUDA IPC handles
+            on GPU, shared memory on CPU (``colocated``; one engine on this host).
         bucket_mb: bucket size in MiB for bucketed sends.
         verify: after every update, compare engine and trainer digests bit for bit.
         p2p: settings of the ``p2p`` method.
         delta: settings of the ``delta`` method.
+        colocated: settings of the ``colocated`` method.
     """
 
     method: str = "push"
@@ -292,6 +326,7 @@ class TransferSettings:
     verify: bool = True
     p2p: P2PSettings = field(default_factory=P2PSettings)
     delta: DeltaSettings = field(default_factory=DeltaSettings)
+    colocated: ColocatedSettings = field(default_factory=ColocatedSettings)
 
     def __post_init__(self) -> None:
         if self.method not in TRANSFER_METHODS:
@@ -300,6 +335,14 @@ class TransferSettings:
             )
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.method == "colocated" and not self.colocated.allow_pickle_weights:
+            raise ValueError(
+                "transfer.method colocated sends SGLang's pickled update_weights_from_tensor "
+                "payloads (CUDA IPC or shared-memory handles), which an engine must take only "
+                "from a trusted sender: set transfer.colocated.allow_pickle_weights: true to opt "
+                "in (an engine at rollout.engine_url also needs `miles-rollout serve "
+                "--allow-pickle-weights`), or use transfer.method push"
+            )
 
 
 EVAL_MODES = ("none", "shared", "dedicated", "external")
@@ -499,6 +542,12 @@ class RunConfig:
                     "run.deterministic needs rollout.mode sync (async scheduling depends on timing)"
                 )
             self.trainer.deterministic = True
+        if self.transfer.method == "colocated" and self.fleet is not None:
+            raise ValueError(
+                "transfer.method colocated updates one engine on the trainer's host (the "
+                "embedded engine or rollout.engine_url), not a fleet behind a router: remove "
+                "the fleet section, or use transfer.method push (every engine of the fleet)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data (written to the run directory)."""

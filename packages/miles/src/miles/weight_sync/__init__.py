@@ -5,7 +5,9 @@
 - ``push`` (``PushSync``): gather full tensors, send buckets from rank 0, compare digests;
 - ``p2p`` (``P2PSync``): every trainer rank (FSDP2 or Megatron) sends its own shard, re-sharded
   into the engine's layout;
-- ``delta`` (``DeltaSync``): publish disk deltas that the engine pulls and applies.
+- ``delta`` (``DeltaSync``): publish disk deltas that the engine pulls and applies;
+- ``colocated`` (``ColocatedSync``): every trainer rank on the engine's GPUs shares its own copy
+  (CUDA IPC handles on GPU, shared memory on CPU) in one request.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from miles.weight_sync.colocated import ColocatedSync
 from miles.weight_sync.delta import DeltaSync
 from miles.weight_sync.p2p import P2PSync
 from miles.weight_sync.push import PushSync
@@ -23,7 +26,7 @@ if TYPE_CHECKING:
     from miles.config import RunConfig
     from miles.protocols import WeightSync
 
-__all__ = ["DeltaSync", "P2PSync", "PushSync", "build_weight_sync"]
+__all__ = ["ColocatedSync", "DeltaSync", "P2PSync", "PushSync", "build_weight_sync"]
 
 
 def build_weight_sync(
@@ -43,6 +46,16 @@ def build_weight_sync(
     """
     t = cfg.transfer
     bucket_bytes = int(t.bucket_mb * 2**20)
+    if t.method == "colocated":
+        return ColocatedSync(
+            receiver,
+            engine_url=cfg.rollout.engine_url,
+            api_key=resolve_api_key(cfg.rollout.api_key),
+            bucket_bytes=bucket_bytes,
+            verify=t.verify,
+            handle_version=t.colocated.handle_version,
+            check_handles=t.colocated.check_handles,
+        )
     if t.method == "p2p":
         return P2PSync(
             receiver,
