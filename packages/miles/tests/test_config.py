@@ -98,4 +98,5 @@ def test_the_demo_recipe_is_arith_tiny_with_heldout_evaluation(tmp_path: Path) -
     assert (demo.eval.num_prompts, demo.eval.sampled_n) == (200, 4)
     assert (demo.run.eval_every, demo.run.num_steps) == (50, 300)
     assert base.run.eval_every == 0
-    assert demo.trainer == base.trainer and demo.task == base.task
+    assert demo.trainer == base.trainer
+    assert demo.task == base.task
