@@ -2,7 +2,8 @@
 other versions of openai / mcp / pydantic than Miles, and NeMo Gym needs Python 3.12): a NeMo
 Gym resources server (``/seed_session``, tools, ``/verify``) and an OpenEnv environment server
 (``create_app``: ``/schema``, the ``/ws`` session) driven by `run_episode` with a scripted
-chat. The frameworks' Pythons come from ``tools/setup_agent_frameworks.sh`` (or
+chat, and a Verifiers taskset (its toolset and rubric) through the Verifiers bridge. The
+frameworks' Pythons come from ``tools/setup_agent_frameworks.sh`` (or
 ``MILES_ENV_PYTHON_<NAME>``); without one the test is skipped with the reason."""
 
 from __future__ import annotations
@@ -224,3 +225,55 @@ def test_hud_templates() -> None:
     assert broken["reward"] == 0.0
     assert "failed to grade: task graded with str" in broken["reason"]
     assert unknown["error"] == "HUD environment 'arith' has no template 'nope'; it has add, broken"
+
+
+def test_verifiers_taskset(loop: Loop) -> None:
+    """A Verifiers taskset through the bridge in Verifiers' Python: the task's system prompt
+    and prompt open the episode, its toolset's ``add`` is the tool (schema from Verifiers'
+    own MCP registration), bad calls come back as errors, and the task's rubric scores the
+    conversation: each reward by name and the weighted total."""
+    from miles_env.integrations.verifiers import VerifiersEnv, VerifiersError
+
+    python = framework_python("verifiers")
+
+    async def chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
+        fn = tools[0]["function"]
+        assert (fn["name"], fn["parameters"]["required"]) == ("add", ["a", "b"])
+        if messages[-1]["role"] == "user":
+            calls = [
+                _call("c0", "add", {"a": "two"}),
+                _call("c1", "sub", {}),
+                _call("c2", "add", {"a": 20, "b": 22}),
+            ]
+            return {"role": "assistant", "content": "", "tool_calls": calls}
+        return {"role": "assistant", "content": f"The sum is {messages[-1]['content']}."}
+
+    async def silent(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"role": "assistant", "content": "I do not know."}
+
+    async def play() -> tuple[Any, Any, list[dict[str, Any]], str]:
+        async with VerifiersEnv("verifiers_arith", python=python, pythonpath=[HERE]) as env:
+            right = await run_episode(env, "add-20-22", chat)
+            wrong = await run_episode(env, 1, silent)
+            with pytest.raises(VerifiersError) as e:
+                await run_episode(env, "nope", silent)
+            return right, wrong, env.bridge.tasks, str(e.value)
+
+    right, wrong, tasks, missing = loop.run(play())
+    assert [t["id"] for t in tasks] == ["add-20-22", "add-3-4"]
+    assert right.messages[:2] == [
+        {"role": "system", "content": "You are a careful calculator."},
+        {"role": "user", "content": "What is 20 + 22? Use the add tool."},
+    ]
+    out = [m["content"] for m in right.messages if m["role"] == "tool"]
+    assert "validation error" in out[0]
+    assert "unknown tool 'sub'" in out[1]
+    assert out[2] == "42"
+    assert (right.metrics["tool_calls"], right.metrics["tool_errors"]) == (3, 2)
+    assert right.scores == {"correct": 1.0, "used_tool": 1.0, "reward": 1.5}, right.info
+    assert right.info["weights"] == {"correct": 1.0, "used_tool": 0.5}
+    assert right.info["metrics"] == {"turns": 2.0}
+    assert (right.info["task"], right.stopped) == ("add-20-22", "done")
+    assert wrong.scores == {"correct": 0.0, "used_tool": 0.0, "reward": 0.0}
+    assert wrong.info["task"] == "add-3-4"
+    assert "has no task 'nope'; it has add-20-22, add-3-4" in missing
