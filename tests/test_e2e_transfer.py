@@ -8,6 +8,9 @@
 - both against a ``miles-rollout serve`` process: ``p2p`` through a ``miles-transfer p2p-agent``
   the loop starts beside it, ``delta`` through ``update_weights_from_disk`` of versions
   materialized on the same filesystem.
+- ``colocated`` from two trainer processes into the embedded engine: rank 0 (on the engine's
+  device) shares its copy in shared memory, one payload per engine TP rank, through the
+  engine's own ``/update_weights_from_tensor`` on a loopback server, verified bit for bit.
 """
 
 from __future__ import annotations
@@ -115,6 +118,28 @@ def test_p2p_from_two_trainer_processes(
         assert u["bytes"] == engine_bytes  # the engine's layout, nothing moved twice
         assert 0 < u["sent_bytes"] < engine_bytes  # rank 0 sent only its own shard
         assert u["pause_s"] > 0
+
+
+def _served_bytes(model: Path, itemsize: int) -> int:
+    """Bytes of every weight the engine serves (a tied lm_head counted again, as it is sent)."""
+    config = json.loads((model / "config.json").read_text())
+    tensors = load_file(model / "model.safetensors")
+    tied = tensors["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else None
+    return _param_bytes(model, itemsize) + (tied.numel() * itemsize if tied is not None else 0)
+
+
+COLOCATED = ("transfer.method=colocated", "transfer.colocated.allow_pickle_weights=true")
+
+
+def test_colocated_from_two_trainer_processes(tiny_model: Path, tmp_path: Path) -> None:
+    run = tmp_path / "colocated"
+    _train(tiny_model, run, 2, *COLOCATED, torchrun=2)
+    ups = _updates(run)
+    assert [u["weight_version"] for u in ups] == ["1", "2"]
+    for u in ups:
+        assert (u["method"], u["verified"], u["payloads"]) == ("colocated", True, 1)
+        assert u["bytes"] == _served_bytes(tiny_model, 4)  # fp32 engine: every weight once
+        assert u["engine_pause_s"] > 0
 
 
 @pytest.mark.slow  # a server process and two runs: about a minute here
