@@ -4,6 +4,9 @@
   ``POST /<tool>``, the reward from ``/verify``).
 - ``miles_env.integrations.openenv.OpenEnvEnv``: an OpenEnv environment server (the action as
   one tool, reset / step / state over its ``/ws`` session).
+- ``miles_env.integrations.verifiers.VerifiersEnv``: a Verifiers (v1) taskset (its toolsets
+  and rubric) through a bridge in Verifiers' Python; ``VerifiersAgent`` runs Verifiers' own
+  loop with a TITO session as its provider.
 - Harbor task directories: ``miles_env.environment.TerminalEnv`` (native).
 
 Each speaks its framework's wire protocol over HTTP (aiohttp: ``pip install
