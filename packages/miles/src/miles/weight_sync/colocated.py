@@ -151,7 +151,6 @@ class ColocatedSync:
             raise ValueError(error)
         assert side is not None
         url, tp_size, key, dtype = side
-        self.tp_size = tp_size
         group: PayloadGroup | None = None
         if tp_size == 1:
             group = SingleProcessGroup() if rank == 0 else None
@@ -185,6 +184,7 @@ class ColocatedSync:
             except Exception as e:  # ValueError, ReceiverError, ImportError: every rank stops
                 failure = e
         self._agree(failure, world)
+        self.tp_size = tp_size
 
     def _bcast(self, obj: Any, world: int) -> Any:
         if world == 1:
@@ -195,14 +195,11 @@ class ColocatedSync:
 
     def _agree(self, failure: BaseException | None, world: int) -> None:
         """Raise on every rank when any rank failed (none is left waiting in a collective)."""
-        errors: list[Any] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+        errors: list[Any] = [mine]
         if world > 1:
             errors = [None] * world
-            dist.all_gather_object(
-                errors,
-                None if failure is None else f"{type(failure).__name__}: {failure}",
-                group=self._ctl,
-            )
+            dist.all_gather_object(errors, mine, group=self._ctl)
         if failure is not None:
             raise failure
         for r, e in enumerate(errors):
