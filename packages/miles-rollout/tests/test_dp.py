@@ -6,8 +6,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -17,18 +15,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from router_launch import launch_router, stop_router
 
 from miles_rollout import Engine, EngineConfig, SamplingParams, SGLangClient, serve
 
 ROUTER = os.environ.get("MILES_SGLANG_ROUTER") or shutil.which(
     "sglang-router", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str) -> bytes:
@@ -174,25 +167,28 @@ def test_http_rank_field_load_and_bad_rank(dp2: Engine) -> None:
     asyncio.run(main())
 
 
-def test_cli_serves_dp_ranks(model_dir: Path) -> None:
+def test_cli_serves_dp_ranks(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import threading
 
     from miles_rollout.cli import main
 
-    port = _free_port()
     stop = threading.Event()
-    argv = ["serve", "--model-path", str(model_dir), "--port", str(port), "--dp-size", "2"]
+    argv = ["serve", "--model-path", str(model_dir), "--port", "0", "--dp-size", "2"]
     argv += ["--num-threads", "1"]
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(main(argv, stop=stop)))
     thread.start()
     try:
+        # The server binds port 0 and prints its URL once it serves.
+        printed = ""
         deadline = time.monotonic() + 60
-        while not (raw := _get(f"http://127.0.0.1:{port}/get_server_info")):
+        while " at http://" not in printed:
             assert time.monotonic() < deadline
             assert thread.is_alive()
             time.sleep(0.05)
-        assert json.loads(raw)["dp_size"] == 2
+            printed += capsys.readouterr().out
+        url = printed.split(" at ", 1)[1].split()[0]
+        assert json.loads(_get(f"{url}/get_server_info"))["dp_size"] == 2
     finally:
         stop.set()
         thread.join(timeout=30)
@@ -206,19 +202,12 @@ def test_router_dp_aware_sends_each_session_to_one_rank(model_dir: Path) -> None
     assert ROUTER is not None
     with EngineConfig(model_path=str(model_dir), dp_size=2, num_threads=1).build() as eng:
         handle = serve(eng)
-        port = _free_port()
-        cmd = [ROUTER, "launch", "--worker-urls", handle.url, "--policy", "manual"]
-        cmd += ["--assignment-mode", "min_load", "--dp-aware", "--host", "127.0.0.1"]
-        cmd += ["--port", str(port), "--prometheus-host", "127.0.0.1"]
-        cmd += ["--prometheus-port", str(_free_port()), "--log-level", "warn"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
+        args = ["--worker-urls", handle.url, "--policy", "manual", "--assignment-mode"]
+        args += ["min_load", "--dp-aware", "--log-level", "warn"]
+        proc, url = launch_router(
+            ROUTER, args, lambda u: _get(u + "/workers").count(b'"is_healthy":true') >= 2
+        )
         try:
-            deadline = time.monotonic() + 60
-            while _get(url + "/workers").count(b'"is_healthy":true') < 2:
-                assert time.monotonic() < deadline, "the router never registered both ranks"
-                assert proc.poll() is None, "the router exited"
-                time.sleep(0.3)
 
             async def main() -> list[list[int]]:
                 grew_per_key = []
@@ -233,8 +222,7 @@ def test_router_dp_aware_sends_each_session_to_one_rank(model_dir: Path) -> None
 
             grew = asyncio.run(main())
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            stop_router(proc)
             handle.close()
     for g in grew:
         assert sorted(g) == [0, 8], f"a session's turns went to both ranks: {grew}"

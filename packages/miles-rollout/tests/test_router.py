@@ -9,14 +9,12 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from router_launch import launch_router, stop_router
 
 from miles_rollout import EngineConfig, SamplingParams, SGLangClient, serve
 
@@ -25,48 +23,16 @@ ROUTER = os.environ.get("MILES_SGLANG_ROUTER") or shutil.which(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(ROUTER is None, reason="sglang-router is not installed")
 def test_generate_through_sglang_router_with_session_keys(model_dir: Path) -> None:
     assert ROUTER is not None
     engines = [EngineConfig(model_path=str(model_dir), seed=i).build() for i in range(2)]
     handles = [serve(e) for e in engines]
-    port = _free_port()
-    cmd = [
-        ROUTER,
-        "launch",
-        "--worker-urls",
-        *[h.url for h in handles],
-        "--policy",
-        "manual",
-        "--assignment-mode",
-        "min_load",
-        "--dp-aware",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(_free_port()),
-        "--log-level",
-        "warn",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    args = ["--worker-urls", *[h.url for h in handles], "--policy", "manual"]
+    args += ["--assignment-mode", "min_load", "--dp-aware", "--log-level", "warn"]
+    proc, url = launch_router(ROUTER, args, lambda u: b'"is_healthy":true' in _get(u + "/workers"))
     try:
-        deadline = time.monotonic() + 60
-        while b'"is_healthy":true' not in _get(url + "/workers"):
-            assert time.monotonic() < deadline, "the router never registered our workers"
-            assert proc.poll() is None, "the router exited"
-            time.sleep(0.3)
 
         async def main() -> None:
             async with SGLangClient(url, timeout=60) as c:
@@ -89,8 +55,7 @@ def test_generate_through_sglang_router_with_session_keys(model_dir: Path) -> No
 
         asyncio.run(main())
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_router(proc)
         for h in handles:
             h.close()
         for e in engines:
