@@ -6,17 +6,19 @@ started by the fleet's own spawner; nothing here loads a model.
 
 from __future__ import annotations
 
+import socket
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from miles_rollout.cli import _parser
 from miles_rollout.fleet import FleetConfig, StartupError
-from miles_rollout.fleet.engines import EngineCommand, engine_command, free_port, wait_healthy
+from miles_rollout.fleet.engines import EngineCommand, engine_command, wait_healthy
 from miles_rollout.fleet.processes import Spawner, wait_gone
 from miles_rollout.fleet.router import ROUTER_DEFAULTS, find_router, parse_prometheus, router_argv
 from miles_rollout.fleet.sglang import gpus_per_engine, parse_passthrough, sglang_argv
@@ -192,7 +194,8 @@ def test_router_lookup_names_the_install_command(monkeypatch: pytest.MonkeyPatch
         find_router()
 
 
-# A server that answers /health with 503 twice (SGLang does while it loads), then 200.
+# A server that answers /health with 503 twice (SGLang does while it loads), then 200. It binds
+# port 0 and prints its URL (split so that this code, which the log also holds, does not match).
 _SLOW_SERVER = """
 import sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -204,19 +207,29 @@ class H(BaseHTTPRequestHandler):
         self.send_response(code); self.end_headers()
     def log_message(self, *a):
         print(self.requestline, self.path, flush=True)
-HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+server = HTTPServer(("127.0.0.1", 0), H)
+print("serving at", "http://127.0.0.1:%d" % server.server_port, flush=True)
+server.serve_forever()
 """
+
+
+@pytest.fixture
+def refusing_port() -> Iterator[int]:
+    """A loopback port that refuses connections while the test runs (bound, not listening:
+    nobody else can take it, unlike a number picked and released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield int(s.getsockname()[1])
 
 
 def test_health_wait_rides_out_503_then_succeeds(tmp_path: Path) -> None:
     spawner = Spawner()
-    port = free_port()
-    child = spawner.spawn(
-        "engine 0", [sys.executable, "-c", _SLOW_SERVER, str(port)], tmp_path / "e.log"
-    )
+    child = spawner.spawn("engine 0", [sys.executable, "-c", _SLOW_SERVER], tmp_path / "e.log")
     try:
-        url = wait_healthy(child, EngineCommand([], port), "127.0.0.1", time.monotonic() + 60)
-        assert url == f"http://127.0.0.1:{port}"
+        # Port 0: the server binds its own port and announces the URL, as engines do.
+        url = wait_healthy(child, EngineCommand([], 0), "127.0.0.1", time.monotonic() + 60)
+        assert url.startswith("http://127.0.0.1:")
+        assert f"serving at {url}" in child.log_tail()
         assert child.log_tail().count("GET /health") == 3  # 503, 503, 200
     finally:
         child.stop(5)
@@ -224,24 +237,26 @@ def test_health_wait_rides_out_503_then_succeeds(tmp_path: Path) -> None:
     assert wait_gone([child.pid], 10) == []
 
 
-def test_health_wait_reports_an_engine_that_exits(tmp_path: Path) -> None:
+def test_health_wait_reports_an_engine_that_exits(tmp_path: Path, refusing_port: int) -> None:
     spawner = Spawner()
     code = "import sys; print('no CUDA device found'); sys.exit(3)"
     child = spawner.spawn("engine 0", [sys.executable, "-c", code], tmp_path / "e.log")
     try:
         with pytest.raises(StartupError, match=r"engine 0 exited with status 3(.|\n)*no CUDA"):
-            wait_healthy(child, EngineCommand([], free_port()), "127.0.0.1", time.monotonic() + 60)
+            wait_healthy(
+                child, EngineCommand([], refusing_port), "127.0.0.1", time.monotonic() + 60
+            )
     finally:
         spawner.close()
 
 
-def test_health_wait_times_out_with_the_log(tmp_path: Path) -> None:
+def test_health_wait_times_out_with_the_log(tmp_path: Path, refusing_port: int) -> None:
     spawner = Spawner()
     code = "import time; print('loading shards', flush=True); time.sleep(60)"
     child = spawner.spawn("engine 0", [sys.executable, "-c", code], tmp_path / "e.log")
     try:
         with pytest.raises(StartupError, match=r"did not get to a healthy(.|\n)*loading shards"):
-            wait_healthy(child, EngineCommand([], free_port()), "127.0.0.1", time.monotonic() + 2)
+            wait_healthy(child, EngineCommand([], refusing_port), "127.0.0.1", time.monotonic() + 2)
     finally:
         child.stop(5)
         spawner.close()
@@ -272,7 +287,7 @@ def test_sglang_backend_without_sglang_fails_cleanly(tmp_path: Path) -> None:
     assert f"-m sglang.launch_server --model-path {tmp_path} --host 127.0.0.1 --port" in log
 
 
-def test_health_wait_stops_when_cancelled(tmp_path: Path) -> None:
+def test_health_wait_stops_when_cancelled(tmp_path: Path, refusing_port: int) -> None:
     """Closing the fleet cancels a replacement that is still loading."""
     spawner = Spawner()
     child = spawner.spawn(
@@ -283,7 +298,7 @@ def test_health_wait_stops_when_cancelled(tmp_path: Path) -> None:
     try:
         with pytest.raises(StartupError, match="cancelled while waiting for engine 2"):
             wait_healthy(
-                child, EngineCommand([], free_port()), "127.0.0.1", time.monotonic() + 60, cancel
+                child, EngineCommand([], refusing_port), "127.0.0.1", time.monotonic() + 60, cancel
             )
     finally:
         child.stop(5)
