@@ -159,13 +159,13 @@ def test_rejected_update_releases_shared_memory(stock_server, status, no_shm_lea
 
 def test_unreachable_server_raises_and_releases_shared_memory(no_shm_leak):
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("127.0.0.1", 0))  # held, not listening: refused, and nobody else can take it
         port = s.getsockname()[1]
-    rx = HTTPReceiver(f"http://127.0.0.1:{port}", dtype=torch.float32, tp_size=1)
-    with pytest.raises(ReceiverError, match="failed"):
-        rx.update_weights_from_tensor(list(iter_full_state(_model(0))))
-    with pytest.raises(ReceiverError):
-        HTTPReceiver(f"http://127.0.0.1:{port}")
+        rx = HTTPReceiver(f"http://127.0.0.1:{port}", dtype=torch.float32, tp_size=1)
+        with pytest.raises(ReceiverError, match="failed"):
+            rx.update_weights_from_tensor(list(iter_full_state(_model(0))))
+        with pytest.raises(ReceiverError):
+            HTTPReceiver(f"http://127.0.0.1:{port}")
 
 
 def test_dtype_auto_needs_an_explicit_dtype(stock_server):

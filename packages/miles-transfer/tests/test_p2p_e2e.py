@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -37,25 +36,21 @@ SHAPE = ModelShape(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _worker(rank: int, world: int, port: int, store_port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # File rendezvous (no port to pick): the group and the transports' store are files.
     timeout = datetime.timedelta(seconds=120)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    init = f"file://{os.path.join(out_dir, 'pg')}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
     try:
         torch.set_num_threads(1)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "fsdp"))
         params = qwen3_params(SHAPE)
         dst = sglang_layout(SHAPE, tp=2)
-        store = dist.TCPStore("127.0.0.1", store_port, world, rank == 0, timeout=timeout)
+        store = dist.FileStore(os.path.join(out_dir, "store"), world)
+        store.set_timeout(timeout)
         results: dict[str, object] = {}
         trainer = rank < 2
         if trainer:
@@ -103,7 +98,7 @@ def _worker(rank: int, world: int, port: int, store_port: int, out_dir: str) -> 
 
 
 def test_fsdp2_trainer_to_tp2_rollout_over_gloo_tcp_and_shm(tmp_path):
-    mp.spawn(_worker, args=(4, _free_port(), _free_port(), str(tmp_path)), nprocs=4, join=True)
+    mp.spawn(_worker, args=(4, str(tmp_path)), nprocs=4, join=True)
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     plan = plan_transfer(fsdp_layout(qwen3_params(SHAPE), 2), sglang_layout(SHAPE, tp=2))
     for r in (0, 1):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
@@ -81,12 +80,6 @@ def _threads_named(name: str) -> int:
     return n
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class _FailingReceiver(ModuleReceiver):
     def __init__(self, module: torch.nn.Module, fail_after: int) -> None:
         super().__init__(module)
@@ -100,13 +93,16 @@ class _FailingReceiver(ModuleReceiver):
         super().update_weights_from_tensor(named_tensors, **kw)
 
 
-def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
+def _fsdp_worker(rank: int, world: int, init: str, out_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+        "gloo",
+        init_method=init,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
     )
     try:
         torch.set_num_threads(1)
@@ -155,7 +151,8 @@ def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
 
 def test_fsdp2_gather_yields_exactly_the_unsharded_tensors(tmp_path):
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    init = f"file://{tmp_path / 'pg'}"  # file rendezvous: no port to pick
+    mp.spawn(_fsdp_worker, args=(2, init, out), nprocs=2, join=True)
     res = torch.load(out)
     ref = _tiny()
     ref_state = list(ref.state_dict().items())
