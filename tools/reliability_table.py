@@ -1010,6 +1010,7 @@ def render(rows: list[Row], *, command: str, commit: str, seconds: float) -> str
         "problem (exit 2 for bad input), or the HTTP refusal issue 31 asks for, and the check "
         "afterwards found nothing lost or half-applied.",
         "",
+        "Paths under the run's temporary directory read `$WORK`. "
         "Columns: *saw* is the exit code and the first stderr line that is ours, or the HTTP "
         "status and body; *lines* counts our non-empty stderr lines (third-party import "
         "warnings, e.g. torchao's optional kernels, counted apart in *noise*); *intact* is "
@@ -1064,6 +1065,8 @@ def run_rows(keys: list[str], *, model: Path | None, work: Path,
                 row = Row(key=key, fault=key, tried="(the row itself failed)",
                           saw=f"{type(e).__name__}: {str(e)[:300]}", note="row error")  # fmt: skip
             row.seconds = time.monotonic() - t0
+            # The work directory's path changes every run: "$WORK" in the table.
+            row.saw, row.checked = (t.replace(str(work), "$WORK") for t in (row.saw, row.checked))
             log(f"{key}: {'holds' if row.holds else 'DOES NOT HOLD'} ({row.seconds:.0f} s) "
                 f"{row.saw[:120]}")  # fmt: skip
             rows.append(row)
