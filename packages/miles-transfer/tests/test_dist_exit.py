@@ -87,8 +87,8 @@ def _spin(cpu_seconds: float) -> Callable[[threading.Event], None]:
 
 def test_no_worker_threads_returns_at_once() -> None:
     t0 = time.monotonic()
-    assert wait_for_gloo_workers(timeout=5.0, _name="no_such_thread")
-    assert time.monotonic() - t0 < 1.0
+    assert wait_for_gloo_workers(timeout=120.0, _name="no_such_thread")
+    assert time.monotonic() - t0 < 60.0  # did not wait out its timeout (no tight bound: CI load)
 
 
 def test_a_worker_blocked_without_timeout_is_parked(named) -> None:
