@@ -13,7 +13,6 @@ import datetime
 import json
 import os
 import re
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -191,9 +190,15 @@ def _server_process(conn: Any) -> None:
     conn.send((server.senders, digests))
 
 
-def _rank(rank: int, port: int, url: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+def _rank(rank: int, url: str, out: str) -> None:
+    # A file rendezvous: no port to pick.
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out}/pg",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         torch.set_num_threads(1)
         rx = HTTPReceiver(url) if rank == 0 else None
@@ -214,13 +219,10 @@ def test_two_trainer_ranks_each_send_their_own_payload(tmp_path: Path) -> None:
     here, there = ctx.Pipe()
     engine = ctx.Process(target=_server_process, args=(there,))
     engine.start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     try:
         assert here.poll(120), "the engine process did not start"
         url = here.recv()
-        ranks = [ctx.Process(target=_rank, args=(r, port, url, str(tmp_path))) for r in range(2)]
+        ranks = [ctx.Process(target=_rank, args=(r, url, str(tmp_path))) for r in range(2)]
         for p in ranks:
             p.start()
         for p in ranks:  # no timeout: see test_cuda_ipc.py (shared-memory manager pipes)
