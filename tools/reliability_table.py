@@ -113,6 +113,22 @@ class Ctx:
 # ---- helpers ----------------------------------------------------------------------------------
 
 
+SCRIPTS = {
+    "miles": "miles",
+    "miles-rollout": "miles_rollout.cli",
+    "miles-transfer": "miles_transfer.cli",
+    "miles-quant-checkpoint": "miles_quant.checkpoint_cli",
+    "miles-env": "miles_env.cli",
+}
+
+
+def script(name: str) -> list[str]:
+    """The installed console script ``name`` (or ``python -m`` its module where the
+    environment has no scripts directory, as in a Pants sandbox)."""
+    path = BIN / name
+    return [str(path)] if path.is_file() else [sys.executable, "-m", SCRIPTS[name]]
+
+
 def digest_tree(path: Path) -> dict[str, str]:
     """``{relative path: blake2b}`` of every file under ``path`` (empty if it does not exist)."""
     if path.is_file():
@@ -254,7 +270,7 @@ def driver(ctx: Ctx, name: str, *args: str, timeout: float | None = None) -> dic
 def engine_server(ctx: Ctx) -> str:
     """One keyed ``miles-rollout serve`` (1 running request, 1 queued) for the server rows."""
     if "engine" not in ctx.cache:
-        argv = [str(BIN / "miles-rollout"), "serve", "--model-path", str(ctx.model)]
+        argv = [*script("miles-rollout"), "serve", "--model-path", str(ctx.model)]
         argv += ["--port", "0", "--api-key", KEY, "--max-running-requests", "1"]
         argv += ["--max-queued-requests", "1"]
         ctx.cache["engine"] = start_server(ctx, argv, "miles-rollout serving", "engine")
@@ -275,7 +291,7 @@ def damaged_model(ctx: Ctx, kind: str) -> Path:
 
 
 def miles_train(ctx: Ctx, out: Path, *sets: str, steps: int = 1) -> list[str]:
-    argv = [str(BIN / "miles"), "train", "arith-tiny", "--steps", str(steps), "--out", str(out)]
+    argv = [*script("miles"), "train", "arith-tiny", "--steps", str(steps), "--out", str(out)]
     argv += ["--no-progress", "--set", f"model_path={ctx.model}"]
     for s in sets:
         argv += ["--set", s]
@@ -318,7 +334,7 @@ def row_unauthenticated_sessions(ctx: Ctx) -> Row:
         fault="control request without the API key: TITO session server",
         tried="`miles-rollout sessions --api-key K`; POST /sessions with no Authorization",
     )
-    argv = [str(BIN / "miles-rollout"), "sessions", "--engine-url", engine_server(ctx)]
+    argv = [*script("miles-rollout"), "sessions", "--engine-url", engine_server(ctx)]
     argv += ["--model-path", str(ctx.model), "--api-key", KEY, "--port", "0"]
     url = start_server(ctx, argv, "miles-rollout sessions", "sessions")
     row.status, _, body = http("POST", url + "/sessions", {})
@@ -377,7 +393,7 @@ def row_yaml(ctx: Ctx) -> Row:
         tried="`miles train arith-tiny --set 'trainer.lr=['`",
     )
     out = ctx.work / "yaml-run"
-    ran = run_cmd(ctx, [str(BIN / "miles"), "train", "arith-tiny", "--set", "trainer.lr=[",
+    ran = run_cmd(ctx, [*script("miles"), "train", "arith-tiny", "--set", "trainer.lr=[",
                         "--out", str(out)])  # fmt: skip
     return one_line_error(row, ran, intact=not out.exists(), checked="no run directory created")
 
@@ -402,7 +418,7 @@ def _damaged_train(ctx: Ctx, key: str, kind: str, fault: str) -> Row:
     model = damaged_model(ctx, kind)
     before = digest_tree(model)
     out = ctx.work / f"{key}-run"
-    argv = [str(BIN / "miles"), "train", "arith-tiny", "--out", str(out), "--no-progress"]
+    argv = [*script("miles"), "train", "arith-tiny", "--out", str(out), "--no-progress"]
     ran = run_cmd(ctx, [*argv, "--set", f"model_path={model}"])
     intact = not out.exists() and digest_tree(model) == before
     return one_line_error(row, ran, intact=intact, checked="no run directory; the model unchanged")
@@ -424,7 +440,7 @@ def row_recipe_raises(ctx: Ctx) -> Row:
     )
     recipe = ctx.dir("recipe") / "my_recipe.py"
     recipe.write_text("def recipe():\n    return {'model_path': {}['model_path']}\n")
-    ran = run_cmd(ctx, [str(BIN / "miles"), "train", str(recipe)], cwd=recipe.parent)
+    ran = run_cmd(ctx, [*script("miles"), "train", str(recipe)], cwd=recipe.parent)
     intact = not (recipe.parent / "runs").exists()
     return one_line_error(row, ran, intact=intact, checked="no run directory created")
 
@@ -437,7 +453,7 @@ def row_busy_port(ctx: Ctx) -> Row:
     )
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        argv = [str(BIN / "miles-rollout"), "serve", "--model-path", str(ctx.model)]
+        argv = [*script("miles-rollout"), "serve", "--model-path", str(ctx.model)]
         ran = run_cmd(ctx, [*argv, "--port", str(port)])
         with socket.create_connection(("127.0.0.1", port), timeout=10):
             still = True  # the listener that held the port still accepts
@@ -453,7 +469,7 @@ def _delta_inputs(ctx: Ctx) -> tuple[Path, Path]:
         shutil.copytree(ctx.model, new)
         ran = run_cmd(ctx, [sys.executable, __file__, "--driver", "perturb", str(new)])
         assert ran.rc == 0, ran.err
-        argv = [str(BIN / "miles-transfer"), "delta", "encode", "--base", str(base)]
+        argv = [*script("miles-transfer"), "delta", "encode", "--base", str(base)]
         ran = run_cmd(ctx, [*argv, "--new", str(new), "--out", str(d)])
         assert ran.rc == 0, ran.err
     return base, d
@@ -472,7 +488,7 @@ def row_delta_null_chunk(ctx: Ctx) -> Row:
     entry["chunks"][0][0] = None
     (d / "delta.json").write_text(json.dumps(manifest))
     before = digest_tree(base)
-    argv = [str(BIN / "miles-transfer"), "delta", "apply", "--target", str(base)]
+    argv = [*script("miles-transfer"), "delta", "apply", "--target", str(base)]
     ran = run_cmd(ctx, [*argv, "--delta", str(d)])
     intact = digest_tree(base) == before
     return one_line_error(row, ran, intact=intact, checked="target checkpoint bytes unchanged")
@@ -484,7 +500,7 @@ def _quant(ctx: Ctx, key: str, kind: str, fault: str) -> Row:
     src = damaged_model(ctx, kind)
     before = digest_tree(src)
     dst = ctx.work / f"{key}-out"
-    argv = [str(BIN / "miles-quant-checkpoint"), str(src), str(dst), "-f", "fp8_block128"]
+    argv = [*script("miles-quant-checkpoint"), str(src), str(dst), "-f", "fp8_block128"]
     ran = run_cmd(ctx, [*argv, "--no-progress"])
     intact = not dst.exists() and digest_tree(src) == before
     return one_line_error(row, ran, intact=intact, checked="no output directory; source unchanged")
@@ -504,7 +520,7 @@ def row_env_missing(ctx: Ctx) -> Row:
         fault="`miles-env check` on a missing task directory",
         tried="`miles-env check ./no-tasks-here`",
     )
-    ran = run_cmd(ctx, [str(BIN / "miles-env"), "check", str(ctx.work / "no-tasks-here")])
+    ran = run_cmd(ctx, [*script("miles-env"), "check", str(ctx.work / "no-tasks-here")])
     intact = not (ctx.work / "no-tasks-here").exists()
     return one_line_error(row, ran, intact=intact, checked="nothing created")
 
@@ -688,8 +704,8 @@ def row_killed_engine(ctx: Ctx) -> Row:
         f"killed after {killed_at} step(s); all {steps} steps trained: {complete}; every update "
         f"verified: {verified}; no engine left behind"
     )
-    row.holds = proc.returncode == 0 and bool(row.intact) and deaths == 1 and killed_at is not None
-    row.holds = row.holds and killed_at < steps
+    killed_mid_run = killed_at is not None and killed_at < steps
+    row.holds = proc.returncode == 0 and bool(row.intact) and deaths == 1 and killed_mid_run
     return row
 
 
@@ -741,7 +757,7 @@ def row_full_disk(ctx: Ctx) -> Row:
     partial = sorted(set(ckpts) - set(complete))
     resumed = None
     if complete and ran.rc != 0:
-        res = run_cmd(ctx, [str(BIN / "miles"), "train", "--resume", str(copy), "--no-progress",
+        res = run_cmd(ctx, [*script("miles"), "train", "--resume", str(copy), "--no-progress",
                             "--steps", "2"])  # fmt: skip
         resumed = res.rc == 0 and [r["step"] for r in metrics_rows(copy)] == [1, 2]
     row.intact = bool(complete) and not partial and bool(resumed)
@@ -895,8 +911,8 @@ def drive_p2p() -> dict[str, Any]:
     from miles_transfer.p2p.transports import TcpTransport, TransportError
     from miles_transfer.p2p.transports.auth import SignedStore
 
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=dt.timedelta(seconds=30),
-                          wait_for_workers=False)  # fmt: skip
+    timeout = dt.timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timeout, wait_for_workers=False)  # type: ignore[attr-defined]
     receiver = TcpTransport(store, 1, prefix="r", timeout=5, api_key=KEY)
     out: dict[str, Any] = {}
     try:
@@ -952,7 +968,7 @@ def drive_offload(path: str, case: str) -> dict[str, Any]:
     opt = mo.AdamW(params, lr=1e-2, offload="nvme", path=root, bucket_mb=0.05)
     for _ in range(2):
         opt.zero_grad()
-        sum((p * p).sum() for p in params).backward()
+        torch.stack([(p * p).sum() for p in params]).sum().backward()
         opt.step()
     opt.close()
     if case == "manifest":
