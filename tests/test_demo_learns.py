@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import REPO, load_tool
 
 # Half the demo (evaluations at 0, 50, 100, 150). Measured at step 150 in two runs: greedy
@@ -31,7 +32,7 @@ STEPS = 150
 MIN_GREEDY_GAIN = 0.10
 MIN_SAMPLED_GAIN = 0.10
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,23 @@ def _readme_outputs() -> dict[str, str]:
     return dict(rows)
 
 
+def _assert_heldout_gains(run: Path) -> None:
+    """Evaluations at step 0 and at the end; the end beats the start by the set margins."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in rows if "eval/accuracy_greedy" in r}
+    assert min(evals) == 0
+    assert max(evals) == STEPS
+    first, last = evals[0], evals[STEPS]
+    summary = {s: (r["eval/accuracy_greedy"], r["eval/accuracy_sampled"]) for s, r in evals.items()}
+    # Honest headroom: the warm-up leaves the policy wrong on about half the held-out problems.
+    assert first["eval/accuracy_greedy"] <= 0.6, summary
+    assert last["eval/accuracy_greedy"] - first["eval/accuracy_greedy"] >= MIN_GREEDY_GAIN, summary
+    assert last["eval/accuracy_sampled"] - first["eval/accuracy_sampled"] >= MIN_SAMPLED_GAIN, (
+        summary
+    )
+    assert all(r["eval/failed"] == 0 for r in evals.values())
+
+
 def test_the_demo_improves_on_heldout_prompts(demo_home: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     cmd = [
@@ -86,19 +104,7 @@ def test_the_demo_improves_on_heldout_prompts(demo_home: Path, tmp_path: Path) -
     # kernels failing to load on CPU, torch's enum-registration warnings).
     assert "Failed to load" not in proc.stderr, proc.stderr[:2000]
     assert "Enum subclass" not in proc.stderr, proc.stderr[:2000]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    evals = {r["step"]: r for r in rows if "eval/accuracy_greedy" in r}
-    assert min(evals) == 0
-    assert max(evals) == STEPS
-    first, last = evals[0], evals[STEPS]
-    summary = {s: (r["eval/accuracy_greedy"], r["eval/accuracy_sampled"]) for s, r in evals.items()}
-    # Honest headroom: the warm-up leaves the policy wrong on about half the held-out problems.
-    assert first["eval/accuracy_greedy"] <= 0.6, summary
-    assert last["eval/accuracy_greedy"] - first["eval/accuracy_greedy"] >= MIN_GREEDY_GAIN, summary
-    assert last["eval/accuracy_sampled"] - first["eval/accuracy_sampled"] >= MIN_SAMPLED_GAIN, (
-        summary
-    )
-    assert all(r["eval/failed"] == 0 for r in evals.values())
+    _assert_heldout_gains(run)
     # What the README promises in the run directory is there.
     tensorboard = importlib.util.find_spec("tensorboard") is not None
     for name, what in _readme_outputs().items():
@@ -107,6 +113,22 @@ def test_the_demo_improves_on_heldout_prompts(demo_home: Path, tmp_path: Path) -
             assert not (run / name).exists()
             continue
         assert (run / name).exists(), f"README lists {name} but the run did not write it"
+
+
+def test_the_demo_improves_on_megatron_tp2(demo_home: Path, tmp_path: Path) -> None:
+    """The same run on the Megatron backend, TP 2 over two gloo processes under torchrun:
+    the held-out gains hold as on FSDP2 (measured at step 150: greedy 0.57 -> 0.805, sampled
+    0.375 -> 0.549; FSDP2 0.795 / 0.559)."""
+    pytest.importorskip("megatron.core")
+    run = tmp_path / "run"
+    cmd = ["torchrun", "--nproc_per_node", "2", "-m", "miles", "train", "arith-demo"]
+    cmd += ["--set", "trainer.backend=megatron", "--set", "trainer.megatron.tp=2"]
+    cmd += ["--steps", str(STEPS), "--out", str(run), "--no-progress"]
+    env = dict(_env(demo_home), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_heldout_gains(run)
+    assert yaml.safe_load((run / "config.yaml").read_text())["trainer"]["backend"] == "megatron"
 
 
 def test_the_readme_own_task_example_runs_as_written(demo_home: Path, tmp_path: Path) -> None:
