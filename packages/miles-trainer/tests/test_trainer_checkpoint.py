@@ -245,3 +245,28 @@ def test_deterministic_turns_on_deterministic_kernels(tiny_model_dir: Path) -> N
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def test_a_full_disk_under_torch_checkpoint_is_reported_as_enospc(tmp_path: Path) -> None:
+    """torch.save's zip writer turns ENOSPC into RuntimeError('unexpected pos ...'), and
+    torch.distributed.checkpoint wraps that per rank; the writer gives it back as OSError(ENOSPC)
+    naming the directory (the real case, on a full tmpfs: tools/reliability_table.py full-disk)."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from miles_trainer.checkpoint import _disk_full_as_oserror
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    wrapped = CheckpointException("save", {0: (short, None)})
+    out = tmp_path / "trainer" / "step_000002"
+    for raised in (short, wrapped):
+        err = _disk_full_as_oserror(raised, tmp_path, out)
+        assert isinstance(err, OSError)
+        assert err.errno == errno.ENOSPC
+        assert str(tmp_path / "trainer") in str(err)
+        assert err.__cause__ is raised
+    other = RuntimeError("CUDA error: an illegal memory access")
+    assert _disk_full_as_oserror(other, tmp_path, out) is other
+    interrupt = KeyboardInterrupt()
+    assert _disk_full_as_oserror(interrupt, tmp_path, out) is interrupt

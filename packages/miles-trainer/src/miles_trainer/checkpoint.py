@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import errno
 import json
 import os
 import random
@@ -242,7 +243,7 @@ def write_checkpoint(
             if client_state is not None:
                 torch.save(client_state, tmp / "client_state.pt")
     except BaseException as e:
-        error = e
+        error = _disk_full_as_oserror(e, tmp, out)
     if not _all_ok(error is None, device):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -278,6 +279,42 @@ def write_checkpoint(
             raise error
         raise RuntimeError(f"rank 0 failed to finish the checkpoint {out}; nothing written")
     return out
+
+
+def _error_text(error: BaseException) -> str:
+    """The error's text with its causes' and, for torch.distributed.checkpoint's
+    ``CheckpointException``, each rank's failure."""
+    parts = [str(error)]
+    for failure in (getattr(error, "failures", None) or {}).values():  # rank -> (exc, trace)
+        parts.append(str(failure[0] if isinstance(failure, tuple) else failure))
+    cause = error.__cause__ or error.__context__
+    if cause is not None and cause is not error:
+        parts.append(str(cause))
+    return "\n".join(parts)
+
+
+def _disk_full_as_oserror(error: BaseException, tmp: Path, out: Path) -> BaseException:
+    """``torch.save`` reports a full disk as ``RuntimeError(... unexpected pos ...)``: its zip
+    writer sees a short write and loses the ENOSPC (under torch.distributed.checkpoint, wrapped
+    in a ``CheckpointException`` per rank). Give it back as the ``OSError(ENOSPC)`` it is,
+    naming the directory, so callers print one line with the fix (seen on a full tmpfs:
+    tools/reliability_table.py, row full-disk)."""
+    if isinstance(error, KeyboardInterrupt | SystemExit) or "unexpected pos" not in _error_text(
+        error
+    ):
+        return error
+    try:
+        free: int | str = shutil.disk_usage(tmp).free
+    except OSError:
+        free = "unknown"
+    full = OSError(
+        errno.ENOSPC,
+        f"no space left on the disk of {out.parent} (or a quota) while writing the checkpoint "
+        f"{out.name} ({free} bytes free after the failed write; nothing was written, earlier "
+        "checkpoints are intact; run.keep_checkpoints keeps fewer)",
+    )
+    full.__cause__ = error
+    return full
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
