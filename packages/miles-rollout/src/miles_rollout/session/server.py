@@ -89,11 +89,13 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except _UpstreamError as exc:
         return _error(502, str(exc))
     except web.HTTPRequestEntityTooLarge as exc:
-        return _error(
+        response = _error(
             413,
             f"the request body is larger than this server accepts ({exc.text}); shorten the "
             "conversation, or raise the session server's --max-request-mb",
         )
+        response.force_close()  # the rest of the body stays unread: drop the connection
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -106,6 +108,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 async def _json_body(request: web.Request) -> Any:
+    # Refused on Content-Length before reading; a chunked body is capped while it streams.
+    if (request.content_length or 0) > request.client_max_size:
+        raise web.HTTPRequestEntityTooLarge(request.client_max_size, request.content_length or 0)
     raw = await request.read()
     if not raw.strip():
         return {}
