@@ -7,9 +7,11 @@ a stuck engine looks from outside.
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,38 @@ def call(
 
 
 GEN = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+
+
+def forged_length(url: str, *, key: str | None = None) -> tuple[int, str | None, Any]:
+    """POST announcing a 1 GiB body but sending two bytes, over a real socket.
+
+    A server that waits for the announced body never answers (the read times out and the test
+    fails); one that refuses on the header answers 413 with the two bytes sent.
+    """
+    headers = {"Content-Length": str(1 << 30)}
+    return _post_raw(url, headers, b"{}", key=key)
+
+
+def _post_raw(
+    url: str, headers: dict[str, str], body: Any, *, key: str | None = None, chunked: bool = False
+) -> tuple[int, str | None, Any]:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=120)
+    headers = {"Content-Type": "application/json", **headers}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        if chunked:  # no Content-Length: Transfer-Encoding: chunked
+            conn.request("POST", parts.path, body=body, headers=headers, encode_chunked=True)
+        else:
+            conn.putrequest("POST", parts.path)
+            for name, value in headers.items():
+                conn.putheader(name, value)
+            conn.endheaders(body)
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Connection"), json.loads(resp.read())
+    finally:
+        conn.close()
 
 
 def test_engine_server_demands_the_key_on_every_control_endpoint(fresh_engine: Engine) -> None:
@@ -93,7 +127,25 @@ def test_the_key_is_checked_before_the_body_is_read(fresh_engine: Engine) -> Non
         status, _, out = call("POST", h.url + "/generate", raw=big, key=KEY)
         assert status == 413
         assert "--max-request-mb" in out["error"]["message"]
+        # Without a length (chunked) the cap applies while the body streams in.
+        chunks = iter([b"{", b" " * (1 << 20), b"}"])
+        status, connection, out = _post_raw(h.url + "/generate", {}, chunks, key=KEY, chunked=True)
+        assert (status, connection) == (413, "close"), out
         assert call("POST", h.url + "/generate", GEN, key=KEY)[0] == 200
+
+
+def test_an_announced_oversized_body_is_refused_before_it_is_read(fresh_engine: Engine) -> None:
+    with serve(fresh_engine, api_key=KEY) as h:
+        for _ in range(2):  # refused twice: the first refusal left the server serving
+            status, connection, out = forged_length(h.url + "/generate", key=KEY)
+            assert status == 413, out
+            assert connection == "close"
+            assert "--max-request-mb" in out["error"]["message"]
+            assert str(64 << 20) in out["error"]["message"]
+        assert forged_length(h.url + "/generate")[0] == 401  # the key still comes first
+        status, _, out = call("POST", h.url + "/generate", GEN, key=KEY)
+        assert status == 200
+        assert len(out["output_ids"]) == 2
 
 
 async def _client_generate(url: str, key: str | None) -> list[int]:
@@ -245,6 +297,9 @@ def test_session_server_bounds(chat_dir: Path, fresh_engine: Engine) -> None:
         url = h.session_url(sid) + "/chat/completions"
         status, _, out = call("POST", url, raw=b"{" + b" " * (2 << 20) + b"}")
         assert status == 413, out
+        status, connection, out = forged_length(url)
+        assert (status, connection) == (413, "close"), out
+        assert "--max-request-mb" in out["error"]["message"]
         result: list[Any] = []
         with stalled(fresh_engine):
             t = threading.Thread(target=lambda: result.append(call("POST", url, turn)))

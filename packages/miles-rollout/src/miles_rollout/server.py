@@ -8,10 +8,11 @@ what was checked how are in the package README. Errors are JSON ``{"error": {"me
 
 Bounds: with ``api_key`` every request but ``GET /health`` needs ``Authorization: Bearer <key>``
 (401 otherwise, checked before the body is read; see :mod:`miles_rollout.auth`); a body over
-``max_request_mb`` gets 413; generate requests beyond the engine's batch plus
-``max_queued_requests`` waiting get 503 with ``Retry-After`` (nothing is queued); a client that
-disconnects, and a ``/health_generate`` probe that times out, take their request out of the
-engine's queue. Weight payloads must be ``miles_safetensors`` (nothing executable; see
+``max_request_mb`` gets 413 and a closed connection (refused on its ``Content-Length`` before any
+of it is read; a chunked body once it passes the cap); generate requests beyond the engine's
+batch plus ``max_queued_requests`` waiting get 503 with ``Retry-After`` (nothing is queued); a
+client that disconnects, and a ``/health_generate`` probe that times out, take their request out
+of the engine's queue. Weight payloads must be ``miles_safetensors`` (nothing executable; see
 ``miles_transfer.push.safe_wire``) unless ``allow_pickle_weights`` admits SGLang's pickled formats.
 """
 
@@ -78,11 +79,13 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except ValueError as exc:
         return _error(400, str(exc))
     except web.HTTPRequestEntityTooLarge as exc:
-        return _error(
+        response = _error(
             413,
             f"the request body is larger than this server accepts ({exc.text}); send smaller "
             "batches, or raise the server's --max-request-mb",
         )
+        response.force_close()  # the rest of the body stays unread: drop the connection
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -95,6 +98,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
+    # Refused on the header, before a byte of the body is read; a body without a length
+    # (chunked) is still capped by client_max_size while it streams in.
+    if (request.content_length or 0) > request.client_max_size:
+        raise web.HTTPRequestEntityTooLarge(request.client_max_size, request.content_length or 0)
     raw = await request.read()
     if not raw.strip():
         return {}
