@@ -286,16 +286,21 @@ def test_colocated_group_must_match_the_engine(no_shm_leak):
             ColocatedReceiver(server.url, dtype=torch.bfloat16, load_format="miles_safetensors")
     finally:
         server.close()
-    with socket.socket() as s:  # a port nobody listens on
+    with socket.socket() as s:  # bound, never listening: refuses for as long as the block runs
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    with pytest.raises(ReceiverError):
-        ColocatedReceiver(dead, dtype=torch.bfloat16)
+        with pytest.raises(ReceiverError):
+            ColocatedReceiver(dead, dtype=torch.bfloat16)
 
 
-def _colocated_rank(rank: int, port: int, url: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+def _colocated_rank(rank: int, url: str, out: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out}/pg",  # file rendezvous: no port to pick
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         torch.set_num_threads(1)
         rx = ColocatedReceiver(url if rank == 0 else None, dtype="bfloat16", group=TorchDistGroup())
@@ -333,14 +338,11 @@ def test_colocated_push_two_trainer_ranks_into_tp2(tmp_path):
     here, there = ctx.Pipe()
     engine = ctx.Process(target=_tp_server_process, args=(2, there))
     engine.start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ranks = []
     try:
         assert here.poll(120), "the engine process did not start"
         url = here.recv()
-        ranks = [ctx.Process(target=_colocated_rank, args=(r, port, url, str(tmp_path)))
+        ranks = [ctx.Process(target=_colocated_rank, args=(r, url, str(tmp_path)))
                  for r in range(2)]  # fmt: skip
         for p in ranks:
             p.start()
