@@ -49,6 +49,7 @@ def test_generate_fn_contract() -> None:
         "tokenizer",
         "sampling_params",
         "sessions_url",
+        "return_routed_experts",
     ]
     assert _names(single_turn_generate) == ["ctx", "sample"]
     assert inspect.iscoroutinefunction(single_turn_generate)

@@ -241,22 +241,27 @@ def test_updates_over_http_abort_requests_only_when_asked(
     import aiohttp
 
     from miles_rollout import serve
-    from miles_transfer.push import serialize_named_tensors
+    from miles_transfer.push.safe_wire import SAFE_FORMAT, discard_safe, write_safe
 
     def body(version: str, abort: bool | None) -> dict[str, object]:
         if endpoint == "/update_weight_version":
             out: dict[str, object] = {"new_version": version}
         else:
+            # The server's default wire: a safetensors file named in the request (no pickle).
             norm = [("model.norm.weight", torch.full((64,), 1.25))]
-            out = {"serialized_named_tensors": [serialize_named_tensors(norm)]}
+            out = {"serialized_named_tensors": [write_safe(norm)], "load_format": SAFE_FORMAT}
             out["weight_version"] = version
         if abort is not None:
             out["abort_all_requests"] = abort
         return out
 
     async def update(url: str, payload: dict[str, object]) -> int:
-        async with aiohttp.ClientSession() as s, s.post(url + endpoint, json=payload) as r:
-            return r.status
+        try:
+            async with aiohttp.ClientSession() as s, s.post(url + endpoint, json=payload) as r:
+                return r.status
+        finally:
+            for p in payload.get("serialized_named_tensors", []):  # type: ignore[attr-defined]
+                discard_safe(p)  # the sender owns the file
 
     with serve(fresh_engine) as handle:
         long = SamplingParams(max_new_tokens=40, ignore_eos=True, seed=3)

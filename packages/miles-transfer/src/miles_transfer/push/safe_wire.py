@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from miles_transfer._bytes import byte_view
+
 __all__ = ["SAFE_FORMAT", "discard_safe", "read_safe", "write_safe"]
 
 SAFE_FORMAT = "miles_safetensors"
@@ -104,8 +106,8 @@ def write_safe(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
                 start = spec["data_offsets"][0]
                 if f.tell() != 8 + len(head) + start:
                     f.write(b"\0" * (8 + len(head) + start - f.tell()))
-                data = t.contiguous().cpu().reshape(-1).view(torch.uint8)
-                f.write(data.numpy().data)
+                data = t.contiguous().cpu()
+                f.write(byte_view(data))  # no numpy: torch does not depend on it
     except BaseException:
         path.unlink(missing_ok=True)
         raise
