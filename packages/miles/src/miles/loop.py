@@ -163,7 +163,14 @@ def _rollout_payload(
     """
     rb = source.next_batch(step)
     batch, stats = build_train_batch(rb.groups)
-    guard.check(step, len(rb.groups), batch, stats, reward_mean=rb.metrics.get("reward_mean"))
+    guard.check(
+        step,
+        len(rb.groups),
+        batch,
+        stats,
+        reward_mean=rb.metrics.get("reward_mean"),
+        groups=rb.groups,
+    )
     if dump is not None and batch is not None:
         for group in rb.groups:
             if all(s.reward is not None for s in group):  # what build_train_batch kept
@@ -242,6 +249,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> RunResult | None:
             max_drop_frac=cfg.rollout.max_drop_frac,
             no_signal_steps=cfg.run.no_signal_steps,
             no_signal_action=cfg.run.no_signal_action,
+            reward_timeout_s=cfg.task.reward_timeout_s,
         )
         eval_on = cfg.run.eval_every > 0 and cfg.eval.mode != "none"
         if eval_on and engines is not None:
