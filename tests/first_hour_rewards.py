@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from miles_rollout import Sample
 
 
@@ -15,3 +17,9 @@ def flaky(sample: Sample) -> float:
 def returns_text(sample: Sample) -> str:
     """Breaks the RewardFn contract: a string, not a number."""
     return "1.0"
+
+
+def hang(sample: Sample) -> float:
+    """Never returns (a verifier stuck on I/O); miles runs it in a daemon thread it abandons."""
+    threading.Event().wait()
+    return 1.0

@@ -158,3 +158,25 @@ def test_miles_train_counts_reward_failures_and_stops_on_a_broken_contract(
     assert "must return a float" in last
     assert "Traceback" not in proc.stderr
     assert not run.exists()
+
+
+def test_miles_train_names_a_hung_reward_when_it_stops(tiny_model: Path, tmp_path: Path) -> None:
+    # The default task.reward_errors: drop; every reward times out, so every group is dropped
+    # and the run stops before training. The stop names the reward first, not the engines.
+    run = tmp_path / "hang"
+    proc = _miles(
+        tiny_model, run, "task.reward_fn=first_hour_rewards:hang", "task.reward_timeout_s=0.5"
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]  # a run stopped by its guards
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "miles: stopped: step 1: nothing to train on: all 4 groups were dropped: the reward "
+        "function first_hour_rewards:hang timed out (task.reward_timeout_s=0.5 s) on 16 of the "
+        "step's 16 samples, so their 4 group(s) were dropped (task.reward_errors: drop). "
+        "First failure: reward function first_hour_rewards:hang raised RewardTimeoutError("
+    ), last
+    for fix in ("raise task.reward_timeout_s", "task.reward_errors: zero", "or fail"):
+        assert fix in last
+    assert "engine" not in last
+    assert "Traceback" not in proc.stderr
+    assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text()
