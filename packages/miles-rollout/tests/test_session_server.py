@@ -228,7 +228,7 @@ def test_bad_input_is_a_4xx_and_changes_nothing(sessions: Any) -> None:
         (chat(h, sid, [{"role": "robot", "content": "x"}]), 400, "allowed roles"),
         (chat(h, sid, messages, tools=bad_tools), 400, "JSON schema type"),
         (chat(h, sid, [{"role": "user", "content": "x" * 200}]), 400, "context length"),
-        (chat(h, sid, messages, stream=True), 400, "stream"),
+        (chat(h, sid, messages, stream="yes"), 400, "stream must be"),
         (chat(h, sid, messages, tool_choice="required"), 400, "needs tools"),
         (chat(h, "no-such-session", messages), 404, "no-such-session"),
         (call("GET", f"{h.url}/nothing/here"), 404, "Not Found"),

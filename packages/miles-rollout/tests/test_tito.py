@@ -436,7 +436,11 @@ def test_reasoning_is_split_and_dropping_it_keeps_the_sample(qwen3: TitoRenderer
             "not in tools",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n=2"),
-        ({"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": 1}, "stream must be"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "stream_options": {}},
+            "only allowed with stream",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
         ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),

@@ -2,10 +2,11 @@
 
 Requests are validated field by field (a ``ValueError`` naming the field becomes a 400); the
 messages handed to the chat template are clean copies (text content, tool calls with their
-function name and arguments). Fields that would change the result if ignored (``n > 1``,
-``stream``, penalties, ``logit_bias``, a non-text ``response_format``) are refused rather than
-dropped; bookkeeping fields (``user``, ``metadata``, ``store``, ...) are ignored. ``top_k`` and
-``min_p`` are accepted as extensions (as SGLang's and vLLM's OpenAI servers do).
+function name and arguments). ``stream`` and ``stream_options.include_usage`` choose the
+streamed answer (``session.stream``). Fields that would change the result if ignored (``n > 1``,
+penalties, ``logit_bias``, a non-text ``response_format``) are refused rather than dropped;
+bookkeeping fields (``user``, ``metadata``, ``store``, ...) are ignored. ``top_k`` and ``min_p``
+are accepted as extensions (as SGLang's and vLLM's OpenAI servers do).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class ChatRequest:
     seed: int | None = None
     logprobs: bool = False
     model: str | None = None
+    stream: bool = False
+    include_usage: bool = False
 
     @property
     def parse_tools(self) -> bool:
@@ -225,7 +228,17 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     _neutral(body, "n", (None, 1), "one choice per request (sessions are sequential)")
-    _neutral(body, "stream", (None, False), "the session server answers whole completions")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ValueError(f"stream must be true or false, got {stream!r}")
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        if not isinstance(options, dict) or not isinstance(
+            options.get("include_usage", False), bool
+        ):
+            raise ValueError('stream_options must be {"include_usage": true|false}')
     _neutral(body, "presence_penalty", (None, 0, 0.0), "the engines do not apply penalties")
     _neutral(body, "frequency_penalty", (None, 0, 0.0), "the engines do not apply penalties")
     _neutral(body, "logit_bias", (None, {}), "the engines do not apply logit biases")
@@ -247,6 +260,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         seed=seed,
         logprobs=bool(body.get("logprobs")),
         model=model if isinstance(model, str) else None,
+        stream=bool(stream),
+        include_usage=bool((options or {}).get("include_usage")),
     )
 
 

@@ -10,6 +10,10 @@ completions``, ``GET /sessions/{id}/samples``, ``GET /sessions/{id}``, ``DELETE
 ``/generate`` on the engine with ``input_ids``, logprobs on, and the session id as
 ``X-SMG-Routing-Key``, so a router keeps a session on one engine (and DP rank).
 
+With ``stream: true`` the turn is generated whole, committed, then sent as OpenAI's
+``chat.completion.chunk`` events (``session.stream``); errors come before the stream, as
+JSON with their status.
+
 Errors are OpenAI-shaped JSON ``{"error": {"message", "type", "code"}}``: 400 for bad input
 (nothing changes in the session), 404 for an unknown session, 409 for a taken session id, 502
 when the engine fails, times out or aborts the turn (the session keeps its completed turns).
@@ -18,7 +22,9 @@ Bounds: with ``api_key`` every request but ``GET /health`` needs ``Authorization
 (401); ``engine_api_key`` is what the server sends to the engine. A body over
 ``max_request_mb`` gets 413; chat turns beyond ``max_pending_turns`` in flight get 503 with
 ``Retry-After``; a client that disconnects cancels its turn (and its engine request) before
-anything is committed to the session.
+anything is committed to the session; once the engine has answered, the turn is committed
+whole (a client that leaves mid-stream still finds it recorded, and retrying the same request
+rolls it back).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from miles_rollout.client import EngineClient, SGLangClient, SGLangHTTPError
 from miles_rollout.sampling_params import SamplingParams
 from miles_rollout.session.protocol import ChatRequest, chat_completion, parse_chat_request
 from miles_rollout.session.render import TitoRenderer
+from miles_rollout.session.stream import DONE, completion_chunks, sse_event
 from miles_rollout.session.tool_parsers import ParsedMessage, parse_tool_calls, split_reasoning
 from miles_rollout.session.trajectory import Trajectory
 
@@ -218,7 +225,7 @@ class _Routes:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
-    async def chat(self, request: web.Request) -> web.Response:
+    async def chat(self, request: web.Request) -> web.StreamResponse:
         s = self._session(request)
         req = parse_chat_request(await _json_body(request))
         if self.pending_turns >= self.max_pending_turns:
@@ -233,9 +240,12 @@ class _Routes:
         self.pending_turns += 1
         try:
             async with s.lock:
-                return web.json_response(await self._turn(s, req))
+                completion = await self._turn(s, req)
         finally:
             self.pending_turns -= 1
+        if not req.stream:
+            return web.json_response(completion)
+        return await _send_stream(request, completion, include_usage=req.include_usage)
 
     async def _turn(self, s: _Session, req: ChatRequest) -> dict[str, Any]:
         current = s.samples[-1]
@@ -339,6 +349,25 @@ class _Routes:
         if parsed.error is not None:
             logger.info("unparsed tool call returned as content: %s", parsed.error)
         return dataclasses.replace(parsed, reasoning=reasoning)
+
+
+async def _send_stream(
+    request: web.Request, completion: dict[str, Any], *, include_usage: bool
+) -> web.StreamResponse:
+    """Send a committed turn as Server-Sent Events (``session.stream``). A client that goes
+    away mid-stream leaves the turn recorded whole; retrying the request rolls it back."""
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    try:
+        await resp.prepare(request)
+        for chunk in completion_chunks(completion, include_usage=include_usage):
+            await resp.write(sse_event(chunk))
+        await resp.write(DONE)
+        await resp.write_eof()
+    except ConnectionError as exc:
+        logger.info("client left mid-stream (%s); the turn stays recorded", exc)
+    return resp
 
 
 def build_session_app(
