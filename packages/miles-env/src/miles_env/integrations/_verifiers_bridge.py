@@ -19,11 +19,10 @@ framework prints goes to stderr. Requests (``op``):
   weighted total and the metrics.
 - ``rollout``: Verifiers' own loop on one task: an ``Agent`` with its chat program (the
   ``null`` harness's), its interception server, the task's toolsets as MCP servers, scoring;
-  the model is the OpenAI endpoint ``base_url`` (a TITO session). Only the provisioning
-  differs from ``vf-eval``: the program runs with this Python instead of a ``uv`` environment
-  (no download), and its streamed requests reach the endpoint through a local shim that asks
-  for a whole completion and streams it back as one chunk (the session server answers whole
-  completions).
+  the model is the OpenAI endpoint ``base_url`` (a TITO session, which answers the chat
+  program's streamed requests as OpenAI does). Only the provisioning differs from
+  ``vf-eval``: the program runs with this Python instead of a ``uv`` environment (no
+  download).
 
 Requests run concurrently (replies carry the request's ``id``); one episode at a time is
 driven by ``reset`` / ``step`` / ``reward``, any number of ``rollout`` at once.
@@ -205,16 +204,15 @@ class Bridge:
         sampling: dict[str, Any] | None = None,
     ) -> Any:
         t = self._pick(task)
-        async with _unstreamed(base_url) as local_url:
-            config = vf.AgentConfig(
-                harness=vf.HarnessConfig(id=HARNESS_ID),
-                runtime=vf.SubprocessConfig(),
-                model=model,
-                client=vf.EvalClientConfig(base_url=local_url, api_key_var="MILES_VERIFIERS_KEY"),
-                sampling=vf.SamplingConfig(**(sampling or {})) if sampling else None,
-                max_turns=max_turns,
-            )
-            trace = await vf.make_agent(config).run(t)
+        config = vf.AgentConfig(
+            harness=vf.HarnessConfig(id=HARNESS_ID),
+            runtime=vf.SubprocessConfig(),
+            model=model,
+            client=vf.EvalClientConfig(base_url=base_url, api_key_var="MILES_VERIFIERS_KEY"),
+            sampling=vf.SamplingConfig(**(sampling or {})) if sampling else None,
+            max_turns=max_turns,
+        )
+        trace = await vf.make_agent(config).run(t)
         return {
             **_scores(trace),
             "task": self._name(t),
@@ -234,67 +232,6 @@ def _scores(trace: Any) -> dict[str, Any]:
         "weights": weights,
         "metrics": dict(trace.metrics),
     }
-
-
-@contextlib.asynccontextmanager
-async def _unstreamed(base_url: str) -> Any:
-    """A local OpenAI endpoint in front of ``base_url`` that answers ``stream: true`` chat
-    requests from one whole completion (SSE: one chunk with the message, one with the finish
-    reason and usage, ``[DONE]``); other requests pass through."""
-    import aiohttp
-    from aiohttp import web
-
-    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        url = base_url.rstrip("/") + "/" + request.match_info["tail"]
-        body = await request.read()
-        data = json.loads(body) if body else None
-        stream = isinstance(data, dict) and bool(data.pop("stream", False))
-        if isinstance(data, dict):
-            data.pop("stream_options", None)
-        async with http.request(request.method, url, json=data) as up:
-            text = await up.text()
-            if not stream or up.status != 200:
-                return web.Response(status=up.status, text=text, content_type="application/json")
-        done = json.loads(text)
-        choice = done["choices"][0]
-        msg = dict(choice["message"])
-        delta: dict[str, Any] = {"role": "assistant", "content": msg.get("content") or ""}
-        if msg.get("tool_calls"):
-            delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(msg["tool_calls"])]
-        head = {k: done[k] for k in ("id", "created", "model") if k in done}
-        chunks = [
-            {**head, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]},
-            {
-                **head,
-                "object": "chat.completion.chunk",
-                "choices": [
-                    {"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason")}
-                ],
-                "usage": done.get("usage"),
-            },
-        ]
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for c in chunks:
-            await resp.write(f"data: {json.dumps(c)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-        await http.close()
 
 
 async def main() -> None:
