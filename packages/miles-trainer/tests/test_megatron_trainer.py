@@ -111,3 +111,36 @@ def test_non_finite_loss_leaves_the_weights_untouched(model_dir: Path, policy: s
         assert metrics["optimizer_steps"] == 0.0
     after = _weights(trainer)
     assert all(torch.equal(after[n], t) for n, t in before.items())
+
+
+def test_only_the_cuda_scheduling_hint_is_silenced_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron's real TP linear (allreduce_dgrad: what TP 2 runs) asks for
+    CUDA_DEVICE_MAX_CONNECTIONS=1 once per process; the CPU filter drops exactly that."""
+    import warnings
+
+    from megatron.core.tensor_parallel import layers
+
+    from miles_trainer.megatron import cpu_compat
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    fn = layers.linear_with_grad_accumulation_and_async_allreduce
+    monkeypatch.setattr(fn, "warned", False)
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+
+    def call(**kw: object) -> list[str]:
+        fn.warned = False
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if kw.pop("quiet", False):
+                cpu_compat.quiet_cuda_only_hints()
+            # tp_group is only kept for the backward pass: the forward here communicates nothing
+            out = fn(x, w, None, False, True, False, tp_group=object(), **kw)
+        assert torch.equal(out, x @ w.T)
+        return [f"{r.category.__name__}: {r.message}" for r in seen]
+
+    assert any("CUDA_DEVICE_MAX_CONNECTIONS" in m for m in call())  # megatron warns without it
+    assert call(quiet=True) == []
+    # Another warning from the same function still shows.
+    shown = call(quiet=True, async_grad_allreduce=True)
+    assert len(shown) == 1, shown
+    assert shown[0].startswith("UserWarning: async_grad_allreduce is deprecated")

@@ -17,6 +17,9 @@ no-op there), so the GPU path runs megatron-core unchanged:
   arguments to the CPU, makes ``Tensor.cuda()`` the identity and reports float tensors'
   ``type()`` under their CUDA names, which is what those type checks compare against.
 
+`quiet_cuda_only_hints` (called by `install`) drops megatron's advice to set
+``CUDA_DEVICE_MAX_CONNECTIONS=1``, a CUDA scheduling hint with no meaning on the CPU.
+
 `define_missing_te_names` is not about CUDA: megatron-core 0.16.1's MoE router reads the
 module global ``te_general_gemm``, which its ``moe_utils`` defines only when Transformer Engine
 imports, so without TE every MoE forward raised ``NameError``; it is defined as None there
@@ -43,6 +46,7 @@ __all__ = [
     "install",
     "needs_cpu_compat",
     "outside_cpu_scope",
+    "quiet_cuda_only_hints",
     "quiet_megatron",
 ]
 
@@ -106,6 +110,27 @@ def quiet_megatron() -> Iterator[None]:
         warnings.filterwarnings("ignore", message=r"(?s).*dynamic_context\.py")
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated")
         yield
+
+
+# megatron-core's TP linear layers ask, once per process, for CUDA_DEVICE_MAX_CONNECTIONS=1: a
+# CUDA hint (one hardware queue, so a TP collective is scheduled before the compute it should
+# overlap). On the CPU there are no CUDA streams and the hint means nothing; on a GPU it stays.
+_CUDA_ONLY_HINT = (
+    r"When using (async grad allreduce|sequence parallelism) it is recommended to set the "
+    r"environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1"
+)
+
+
+def quiet_cuda_only_hints() -> None:
+    """Ignore, for the whole process, megatron-core's ``CUDA_DEVICE_MAX_CONNECTIONS`` advice
+    (its exact messages, as ``UserWarning`` from its tensor-parallel layers); every other
+    warning still shows. Called by `install`, so only without CUDA."""
+    warnings.filterwarnings(
+        "ignore",
+        message=_CUDA_ONLY_HINT,
+        category=UserWarning,
+        module=r"megatron\.core\.tensor_parallel\.layers",
+    )
 
 
 def _import_megatron() -> None:
@@ -211,6 +236,7 @@ def install() -> None:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
+    quiet_cuda_only_hints()  # a process-wide filter: the hints come from the model's forward
     parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     with _lock:
