@@ -31,6 +31,7 @@ BUILTIN_TASKS: dict[str, Callable[..., Task]] = {
     "dataset": DatasetTask,  # JSONL / JSON / Parquet / datasets dir + template + label field
     "word_problems": WordProblemTask,  # seeded multi-step word problems (small LMs)
     "harbor": lambda **p: _agentic().HarborTaskSet(**p),  # Harbor task dirs (miles.agentic)
+    "verifiers": lambda **p: _agentic().VerifiersTaskSet(**p),  # a Verifiers taskset
 }
 
 

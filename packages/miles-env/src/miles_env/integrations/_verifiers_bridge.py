@@ -7,8 +7,8 @@ It reads one JSON request per line on stdin and writes one JSON reply per line o
 framework prints goes to stderr. Requests (``op``):
 
 - ``load``: ``taskset`` (a Verifiers taskset id: an importable module exporting its
-  ``Taskset`` subclass), ``config`` (the taskset config's fields): the tasks' ``idx``, ``id``
-  and ``name``.
+  ``Taskset`` subclass), ``config`` (the taskset config's fields): the tasks' ``idx``, ``id``,
+  ``name`` and ``messages`` (the prompt as OpenAI messages).
 - ``reset`` / ``step`` / ``reward`` / ``close``: one episode driven from outside. ``reset``
   takes ``task`` (an ``idx`` or an ``id``), starts the task's toolsets in process (Verifiers'
   own ``Toolset.register`` into an MCP server, called without a transport) and answers the
@@ -116,7 +116,10 @@ class Bridge:
             vf.taskset_config_type(taskset).model_validate({**(config or {}), "id": taskset})
         )
         self.tasks = list(self.taskset)
-        return [{"idx": t.data.idx, "id": t.data.id, "name": t.data.name} for t in self.tasks]
+        return [
+            {"idx": t.data.idx, "id": t.data.id, "name": t.data.name, "messages": _wire(t)}
+            for t in self.tasks
+        ]
 
     async def reset(self, task: Any) -> Any:
         from mcp.server.mcpserver import MCPServer

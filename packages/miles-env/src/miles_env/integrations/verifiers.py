@@ -33,6 +33,7 @@ import contextlib
 import itertools
 import json
 import os
+import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ __all__ = [
     "VerifiersAgent",
     "VerifiersBridge",
     "VerifiersEnv",
+    "list_verifiers_tasks",
     "run_verifiers_rollout",
     "verifiers_agent",
 ]
@@ -70,6 +72,49 @@ def verifiers_python(python: str | os.PathLike[str] | None = None) -> Path:
 
 class VerifiersError(RuntimeError):
     """The bridge answered a request with an error (the message is Verifiers')."""
+
+
+def _bridge_env(pythonpath: Sequence[str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def list_verifiers_tasks(
+    taskset: str,
+    *,
+    config: Mapping[str, Any] | None = None,
+    python: str | os.PathLike[str] | None = None,
+    pythonpath: Sequence[str | os.PathLike[str]] = (),
+    timeout_s: float = 300.0,
+) -> list[dict[str, Any]]:
+    """A taskset's tasks, from outside any event loop (a bridge run once): each ``idx``,
+    ``id``, ``name`` and ``messages`` (the prompt as OpenAI messages).
+
+    Raises:
+        FileNotFoundError: no Verifiers Python (`verifiers_python`).
+        VerifiersError: the taskset does not load (Verifiers' message).
+    """
+    paths = [str(Path(p).resolve()) for p in pythonpath]
+    request = {"id": 0, "op": "load", "taskset": taskset, "config": dict(config or {})}
+    proc = subprocess.run(
+        [str(verifiers_python(python)), "-P", str(_BRIDGE)],
+        input=json.dumps(request) + "\n",
+        capture_output=True,
+        text=True,
+        env=_bridge_env(paths),
+        timeout=timeout_s,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if not lines:
+        raise VerifiersError(
+            f"the Verifiers bridge exited ({proc.returncode}) without an answer: "
+            f"{proc.stderr.strip()[-2000:]}"
+        )
+    reply = json.loads(lines[0])
+    if not reply["ok"]:
+        raise VerifiersError(f"taskset {taskset!r}: {reply['type']}: {reply['error']}")
+    return list(reply["result"])
 
 
 class VerifiersBridge:
@@ -106,10 +151,7 @@ class VerifiersBridge:
         async with self._lock:
             if self._proc is not None:
                 return
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(
-                [*self.pythonpath, *filter(None, [env.get("PYTHONPATH")])]
-            )
+            env = _bridge_env(self.pythonpath)
             self._proc = await asyncio.create_subprocess_exec(
                 str(self.python),
                 "-P",  # the bridge's folder must not shadow the `verifiers` package
@@ -318,7 +360,8 @@ class VerifiersAgent:
     Args:
         taskset, config, python, pythonpath: as `VerifiersBridge`; None ``taskset``: each
             sample's ``metadata["verifiers"]`` names it (``taskset``, ``config``,
-            ``pythonpath``). One bridge per taskset, shared by the episodes.
+            ``pythonpath``, ``python``; what ``task.name: verifiers`` writes). One bridge per
+            taskset, shared by the episodes.
         max_turns: Verifiers' turn limit (``metadata["max_turns"]`` wins).
     """
 
@@ -351,7 +394,7 @@ class VerifiersAgent:
             self._bridges[key] = VerifiersBridge(
                 str(spec["taskset"]),
                 config=spec.get("config"),
-                python=self.python,
+                python=spec.get("python") or self.python,
                 pythonpath=spec.get("pythonpath") or (),
             )
         return self._bridges[key]

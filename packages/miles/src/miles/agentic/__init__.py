@@ -1,5 +1,5 @@
-"""Agentic RL in the loop: Harbor tasks as prompts, a scripted tool-calling policy for CPU
-runs, per-run agentic metrics and their plot.
+"""Agentic RL in the loop: Harbor tasks and Verifiers tasksets (``task.name: verifiers``) as
+prompts, a scripted tool-calling policy for CPU runs, per-run agentic metrics and their plot.
 
 Recipes ``terminal`` and ``agentic-coding`` put it together::
 
@@ -21,5 +21,6 @@ except ModuleNotFoundError as e:  # an optional component of the meta-package
 from miles.agentic.plot import plot_agentic
 from miles.agentic.scripted import ScriptedPolicy, scripted_policy
 from miles.agentic.task import HarborTaskSet
+from miles.agentic.verifiers import VerifiersTaskSet
 
-__all__ = ["HarborTaskSet", "ScriptedPolicy", "plot_agentic", "scripted_policy"]
+__all__ = ["HarborTaskSet", "ScriptedPolicy", "VerifiersTaskSet", "plot_agentic", "scripted_policy"]
