@@ -42,6 +42,7 @@ __all__ = ["launch"]
 # Rank 0's error explains a run best (the other ranks then fail in a collective): after
 # another rank fails, wait this long for rank 0's outcome.
 _RANK0_GRACE_S = 30.0
+_POLL_S = 0.5  # how often the launcher wakes from waiting on the ranks (signals are seen then)
 _FLEET_LAUNCHER = "miles.ray.fleet:RayLauncher"
 
 
@@ -365,7 +366,12 @@ class _RayRun:
         pending = list(refs)
         result: dict[str, str] | None = None
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            # With a timeout: Python gets control back every _POLL_S, so a Ctrl-C / SIGTERM that
+            # arrived while Ray's C++ wait blocked is raised here (a wait without one can sit on
+            # it until the run ends: seen on CI, where the run then finished all its steps).
+            done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+            if not done:
+                continue
             ref = done[0]
             try:
                 value = ray.get(ref)
