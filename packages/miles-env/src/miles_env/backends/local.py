@@ -402,7 +402,7 @@ class LocalSandbox(Sandbox):
             rc = 124
         elif rc < 0:
             rc = 128 - rc
-        if rc != 0 and not self.alive():
+        if rc != 0 and (not self.alive() or await self._ttl_ended()):
             raise SandboxClosedError(self._death_reason())
         return _Raw(
             returncode=rc,
@@ -430,6 +430,16 @@ class LocalSandbox(Sandbox):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
+
+    async def _ttl_ended(self) -> bool:
+        """Past the deadline, whether the holder is gone: the command can be reaped before the
+        event loop has seen the holder's exit, so wait a moment for it (seen under load: a
+        command killed by the ttl came back as an ordinary failure)."""
+        if time.monotonic() < self._deadline - 0.05:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._holder.wait()), timeout=2.0)
+        return not self.alive()
 
     def _death_reason(self) -> str:
         if self._closed:
