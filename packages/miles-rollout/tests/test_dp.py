@@ -209,21 +209,31 @@ def test_router_dp_aware_sends_each_session_to_one_rank(model_dir: Path) -> None
         )
         try:
 
-            async def main() -> list[list[int]]:
+            async def main() -> tuple[list[list[int]], list[int]]:
                 grew_per_key = []
                 async with SGLangClient(url, timeout=60) as c:
+                    # Affinity: both turns of a session land on one rank.
                     for key in ("a", "b", "c", "d"):
                         before = _tokens(eng)
                         for _ in range(2):
                             params = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=1)
                             await c.generate([5, 6, 7], params, routing_key=key)
                         grew_per_key.append([x - y for x, y in zip(_tokens(eng), before)])
-                return grew_per_key
+                    # Spread: new sessions arriving together go to the least loaded rank, so
+                    # both ranks get some (one at a time, min_load's ties may pick either).
+                    before = _tokens(eng)
+                    long = SamplingParams(max_new_tokens=32, ignore_eos=True, seed=1)
+                    await asyncio.gather(
+                        *(c.generate([5, 6, 7], long, routing_key=f"new{i}") for i in range(4))
+                    )
+                    spread = [x - y for x, y in zip(_tokens(eng), before)]
+                return grew_per_key, spread
 
-            grew = asyncio.run(main())
+            grew, spread = asyncio.run(main())
         finally:
             stop_router(proc)
             handle.close()
     for g in grew:
         assert sorted(g) == [0, 8], f"a session's turns went to both ranks: {grew}"
-    assert {g.index(8) for g in grew} == {0, 1}, "no session was sent to one of the ranks"
+    assert sum(spread) == 4 * 32
+    assert all(n > 0 for n in spread), f"concurrent new sessions all went to one rank: {spread}"
