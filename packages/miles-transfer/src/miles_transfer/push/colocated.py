@@ -16,11 +16,13 @@ beside one trainer process, ``TorchDistGroup`` over a ``torch.distributed`` gloo
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
 
+from miles_transfer._bytes import byte_view
 from miles_transfer.push.cuda_ipc import serialize_cuda_ipc
 from miles_transfer.push.http import HTTPReceiver, ReceiverError, parse_dtype
 from miles_transfer.push.wire import FLATTENED_BUCKET, discard_serialized, serialize_named_tensors
@@ -82,15 +84,34 @@ class TorchDistGroup:
         self.size: int = dist.get_world_size(group)
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
 
+    # torch's gather_object / broadcast_object_list convert through numpy, which neither torch nor
+    # miles-transfer depends on: these move pickled bytes as uint8 tensors instead (CPU tensors:
+    # the group is gloo, also on NCCL jobs).
+
     def gather(self, payload: str) -> list[str] | None:
-        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
-        self._dist.gather_object(payload, out, dst=self._src, group=self._group)
-        return out
+        data = payload.encode()
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._dist.all_gather(sizes, size, group=self._group)
+        longest = max(int(n.item()) for n in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.size)]
+        self._dist.all_gather(bufs, mine, group=self._group)
+        if self.rank != 0:
+            return None
+        return [bytes(byte_view(b[: int(n.item())])).decode() for b, n in zip(bufs, sizes)]
 
     def broadcast(self, obj: Any) -> Any:
-        box = [obj]
-        self._dist.broadcast_object_list(box, src=self._src, group=self._group)
-        return box[0]
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self._dist.broadcast(size, src=self._src, group=self._group)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if self.rank == 0:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self._dist.broadcast(buf, src=self._src, group=self._group)
+        # The group's own rank 0 (same job), not a network peer: its pickle is trusted.
+        return obj if self.rank == 0 else pickle.loads(bytes(byte_view(buf)))
 
 
 def _raise_on_every_rank(group: PayloadGroup, error: Exception | None) -> None:
