@@ -202,7 +202,17 @@ def test_ctrl_c_tears_down_actors_engines_and_the_local_ray(
     args += ["--set", "ray.num_cpus=2"]
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out.open("w") as o, err.open("w") as e:
-        proc = subprocess.Popen(args, cwd=tmp_path, env=_env(), stdout=o, stderr=e, text=True)
+        # Ctrl-C's default action in the child even when this test runs with SIGINT ignored
+        # (a shell's background job: `make test &`), which the child would inherit.
+        proc = subprocess.Popen(
+            args,
+            cwd=tmp_path,
+            env=_env(),
+            stdout=o,
+            stderr=e,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         try:
             deadline = time.monotonic() + 600
             while not _rows(run) and proc.poll() is None and time.monotonic() < deadline:
