@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,16 +58,28 @@ def test_wandb_offline_logs_the_scalars_without_network(
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     (log_file,) = runs[0].glob("run-*.wandb")  # the offline log `wandb sync` uploads
-    history, config = [], ""
-    for rec in _wandb_records(log_file):
-        kind = rec.WhichOneof("record_type")
-        if kind == "history":
-            items = {
-                i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item
-            }
-            history.append((items["_step"], items["rollout/reward_mean"]))
-        elif kind == "run":  # the run record carries the config given to wandb.init
-            config += "".join(i.key + i.value_json for i in rec.run.config.update)
+
+    def read() -> tuple[list[tuple[Any, Any]], str]:
+        history, config = [], ""
+        for rec in _wandb_records(log_file):
+            kind = rec.WhichOneof("record_type")
+            if kind == "history":
+                items = {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in rec.history.item
+                }
+                history.append((items["_step"], items["rollout/reward_mean"]))
+            elif kind == "run":  # the run record carries the config given to wandb.init
+                config += "".join(i.key + i.value_json for i in rec.run.config.update)
+        return history, config
+
+    # W&B's service process writes the file; on a cold, loaded machine the history records
+    # were seen landing after finish() returned (a Pants run): wait for them, generously.
+    deadline = time.monotonic() + 60
+    history, config = read()
+    while len(history) < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        history, config = read()
     assert history == [(1, 0.25), (2, 0.5), (3, 0.75)]
     assert 'trainer{"lr":0.5}' in config
 
