@@ -12,6 +12,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,13 @@ def no_shm_leak():
     gc.collect()
     before = _shm_files()
     yield
+    # Freed storages' files can be unlinked a moment later (torch_shm_manager, or the
+    # file_system sharing strategy another test of the batch may have set): wait for it.
+    deadline = time.monotonic() + 20
     gc.collect()
+    while _shm_files() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+        gc.collect()
     assert _shm_files() - before == set(), "shared-memory files left behind"
 
 
