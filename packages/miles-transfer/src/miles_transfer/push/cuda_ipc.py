@@ -25,7 +25,6 @@ Nothing here initialises CUDA at import. Building a payload needs CUDA tensors (
 from __future__ import annotations
 
 import base64
-import binascii
 import io
 import pickle
 import types
@@ -41,6 +40,7 @@ from miles_transfer.push.wire import (
     FlattenedTensorMetadata,
     _as_list,
     _flatten,
+    _payload_bytes,
     _reconstruct,
     _WirePickler,
     _WireUnpickler,
@@ -367,15 +367,7 @@ class _RefUnpickler(_WireUnpickler):
 
 
 def _load(payload: str | bytes, rebuild: Any) -> Any:
-    if isinstance(payload, str):
-        try:
-            raw = base64.b64decode(payload, validate=True)
-        except binascii.Error as e:
-            raise ValueError(f"payload is not valid base64: {e}") from e
-    elif isinstance(payload, (bytes, bytearray)):
-        raw = bytes(payload)
-    else:
-        raise ValueError(f"payload must be str (base64) or bytes, got {type(payload).__name__}")
+    raw = _payload_bytes(payload)
     try:
         return _RefUnpickler(io.BytesIO(raw), rebuild).load()
     except (pickle.UnpicklingError, EOFError) as e:

@@ -336,16 +336,20 @@ class _WireUnpickler(pickle.Unpickler):
         )
 
 
-def _decode(payload: str | bytes) -> Any:
+def _payload_bytes(payload: str | bytes) -> bytes:
+    """A payload's pickle bytes: base64 text (SGLang's JSON field) or the raw bytes."""
     if isinstance(payload, str):
         try:
-            raw = base64.b64decode(payload, validate=True)
+            return base64.b64decode(payload, validate=True)
         except binascii.Error as e:
             raise ValueError(f"payload is not valid base64: {e}") from e
-    elif isinstance(payload, (bytes, bytearray)):
-        raw = bytes(payload)
-    else:
-        raise ValueError(f"payload must be str (base64) or bytes, got {type(payload).__name__}")
+    if isinstance(payload, (bytes, bytearray)):
+        return bytes(payload)
+    raise ValueError(f"payload must be str (base64) or bytes, got {type(payload).__name__}")
+
+
+def _decode(payload: str | bytes) -> Any:
+    raw = _payload_bytes(payload)
     try:
         return _WireUnpickler(io.BytesIO(raw)).load()
     except (pickle.UnpicklingError, EOFError) as e:
