@@ -148,3 +148,37 @@ def test_a_receiver_whose_sender_never_comes_times_out():
         ShardSender(plan, 0, hub.transport(0), depth=0)
     with pytest.raises(ValueError, match="rank 3 is outside"):
         ShardReceiver(plan, 3, hub.transport(1))
+
+
+@pytest.mark.skipif(not mooncake_available(), reason="Mooncake's transfer engine is not installed")
+def test_mooncake_reregisters_memory_that_was_freed_and_reused():
+    """A receive buffer over memory an earlier, freed buffer was registered on still works.
+
+    The allocator hands freed memory out again; Mooncake refuses a registration that overlaps
+    an existing one. Two windows over one bytearray are storages that overlap in the same way.
+    """
+    import threading
+
+    sender, receiver = make_transports("mooncake", 2)
+    backing = bytearray(8192)
+    try:
+        for offset, fill in ((0, 7), (2048, 9), (1024, 11)):
+            dst = torch.frombuffer(backing, dtype=torch.uint8, count=4096, offset=offset)
+            src = torch.full((4096,), fill, dtype=torch.uint8)
+            err: list[BaseException] = []
+
+            def recv(dst: torch.Tensor = dst, err: list[BaseException] = err) -> None:
+                try:
+                    receiver.recv(0, dst)
+                except BaseException as e:  # reported below
+                    err.append(e)
+
+            t = threading.Thread(target=recv)
+            t.start()
+            sender.send(1, src)
+            t.join(60)
+            assert not err, err
+            assert torch.equal(dst, src), offset
+    finally:
+        sender.close()
+        receiver.close()

@@ -5,8 +5,9 @@ GPU cluster install mooncake-transfer-engine). Each rank runs one TransferEngine
 mode (no metadata server) and publishes its RPC address in the group's Store. The data moves
 as a one-sided write into the receiver's memory, the way RDMA is used:
 
-1. the receiver registers its buffer (once per buffer; the P2P receiver reuses its staging
-   buffers) and sends its address and size to the sender over the socket mesh;
+1. the receiver registers its buffer (once per storage; the P2P receiver reuses its staging
+   buffers; a registration whose memory was freed and reused is replaced) and sends its
+   address and size to the sender over the socket mesh;
 2. the sender writes its (registered) buffer there with `transfer_sync_write`;
 3. the sender sends one byte "done"; the receiver's recv returns.
 
@@ -95,14 +96,24 @@ class MooncakeTransport(SocketMesh):
         self._targets: dict[int, str] = {}
 
     def _register(self, buf: torch.Tensor) -> int:
-        ptr, n = buf.data_ptr(), buf.numel()
-        if self._registered.get(ptr, -1) < n:
-            if ptr in self._registered:
-                self._engine.unregister_memory(ptr)
-            if self._engine.register_memory(ptr, n) != 0:
-                raise TransportError(f"Mooncake could not register {n} bytes at {ptr:#x}")
-            self._registered[ptr] = n
-        return ptr
+        """Register the memory behind `buf` (its whole storage, so views share one registration).
+
+        A registered region that overlaps this storage belongs to memory that was freed and
+        reused by the allocator (two live storages never overlap): Mooncake refuses overlapping
+        registrations, and the old one must not stay writable anyway, so it is dropped first.
+        """
+        storage = buf.untyped_storage()
+        base, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or self._registered.get(base, -1) >= size:
+            return buf.data_ptr()
+        for start, length in list(self._registered.items()):
+            if start < base + size and base < start + length:
+                self._engine.unregister_memory(start)
+                del self._registered[start]
+        if self._engine.register_memory(base, size) != 0:
+            raise TransportError(f"Mooncake could not register {size} bytes at {base:#x}")
+        self._registered[base] = size
+        return buf.data_ptr()
 
     def _target(self, peer: int) -> str:
         t = self._targets.get(peer)
