@@ -28,6 +28,23 @@ def test_builtin_recipe_loads_with_overrides(tmp_path: Path) -> None:
     assert cfg.run.num_steps == 7
 
 
+def test_a_decaying_lr_spans_the_run_unless_its_length_is_set(tmp_path: Path) -> None:
+    base = [f"model_path={tmp_path}", "run.num_steps=10", "trainer.num_minibatches=2"]
+    sched = ["trainer.lr_decay_style=cosine", "trainer.lr_warmup_steps=4"]
+    cfg = load_recipe("arith-tiny", base + sched)
+    assert cfg.trainer.lr_decay_steps == 10 * 2 - 4  # every optimizer step after the warm-up
+    assert cfg.trainer.lr_at(10**6) == cfg.trainer.min_lr == 0.0
+    assert (
+        load_recipe(
+            "arith-tiny", [*base, *sched, "trainer.lr_decay_steps=7"]
+        ).trainer.lr_decay_steps
+        == 7
+    )
+    assert load_recipe("arith-tiny", base).trainer.lr_decay_steps is None  # constant
+    with pytest.raises(ValueError, match="lr_decay_style must be one of"):
+        load_recipe("arith-tiny", [*base, "trainer.lr_decay_style=exp"])
+
+
 def test_yaml_recipe_round_trips_through_to_dict(tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(

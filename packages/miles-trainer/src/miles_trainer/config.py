@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKENDS",
     "DTYPES",
+    "LR_DECAY_STYLES",
     "NONFINITE_POLICIES",
     "OFFLOAD_MODES",
     "REF_PLACEMENTS",
@@ -41,6 +42,7 @@ __all__ = [
 DTYPES = ("float32", "bfloat16", "float16")
 OFFLOAD_MODES = ("none", "cpu", "nvme")
 BACKENDS = ("fsdp", "megatron")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 REF_PLACEMENTS = ("device", "cpu")
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -239,7 +241,15 @@ class TrainerConfig:
         dtype: compute dtype of the forward/backward: "float32", "bfloat16" or "float16".
             Parameters, gradients and optimizer state stay float32 (FSDP2 mixed precision
             casts the all-gathered parameters; gradients are reduced in float32).
-        lr: AdamW learning rate (constant). >= 0.
+        lr: AdamW learning rate: the peak of the schedule below (constant by default). >= 0.
+        lr_warmup_steps: optimizer steps of linear warm-up from ``lr / lr_warmup_steps`` to
+            ``lr``. >= 0.
+        lr_decay_style: after the warm-up, "constant" (``lr``), "linear" or "cosine" (from
+            ``lr`` down to ``min_lr`` over ``lr_decay_steps``, then ``min_lr``).
+        lr_decay_steps: optimizer steps of the decay; None with a decay style asks the caller
+            to set it (`miles train` sets ``run.num_steps x num_minibatches`` minus the
+            warm-up). >= 1.
+        min_lr: where the decay ends. 0 <= min_lr <= lr.
         weight_decay: AdamW decoupled weight decay. >= 0.
         betas: AdamW (beta1, beta2), each in [0, 1).
         eps: AdamW epsilon. > 0.
@@ -287,6 +297,10 @@ class TrainerConfig:
     model_path: str
     dtype: str = "float32"
     lr: float = 1e-5
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    lr_decay_steps: int | None = None
+    min_lr: float = 0.0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -321,6 +335,23 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.lr >= 0.0 and math.isfinite(self.lr)):
             raise ValueError(f"TrainerConfig.lr must be finite and >= 0, got {self.lr}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(
+                f"TrainerConfig.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}"
+            )
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(
+                f"TrainerConfig.lr_decay_style must be one of {LR_DECAY_STYLES}, got "
+                f"{self.lr_decay_style!r}"
+            )
+        if self.lr_decay_steps is not None and self.lr_decay_steps < 1:
+            raise ValueError(
+                f"TrainerConfig.lr_decay_steps must be None or >= 1, got {self.lr_decay_steps}"
+            )
+        if not (0.0 <= self.min_lr <= self.lr):
+            raise ValueError(
+                f"TrainerConfig.min_lr must be in [0, lr={self.lr}], got {self.min_lr}"
+            )
         if not self.weight_decay >= 0.0:
             raise ValueError(f"TrainerConfig.weight_decay must be >= 0, got {self.weight_decay}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -363,6 +394,29 @@ class TrainerConfig:
                 f"TrainerConfig.temperature must be finite and > 0 (score a greedy rollout at "
                 f"1.0), got {self.temperature}"
             )
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0 for the first one; skipped steps do
+        not count), per ``lr`` and the ``lr_*`` / ``min_lr`` schedule.
+
+        Raises:
+            ValueError: a decay style without ``lr_decay_steps``.
+        """
+        if step < self.lr_warmup_steps:
+            return self.lr * (step + 1) / self.lr_warmup_steps
+        if self.lr_decay_style == "constant":
+            return self.lr
+        if self.lr_decay_steps is None:
+            raise ValueError(
+                f"trainer.lr_decay_style {self.lr_decay_style!r} needs trainer.lr_decay_steps "
+                "(miles train sets it from run.num_steps)"
+            )
+        t = min(step - self.lr_warmup_steps, self.lr_decay_steps) / self.lr_decay_steps
+        if self.lr_decay_style == "linear":
+            frac = 1.0 - t
+        else:
+            frac = 0.5 * (1.0 + math.cos(math.pi * t))
+        return self.min_lr + (self.lr - self.min_lr) * frac
 
     def build(self) -> Trainer:
         """The trainer of ``backend``, constructed (collective: every rank calls it).

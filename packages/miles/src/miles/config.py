@@ -536,6 +536,10 @@ class RunConfig:
         )
 
     def __post_init__(self) -> None:
+        t = self.trainer
+        if t.lr_decay_style != "constant" and t.lr_decay_steps is None:
+            # Decay over the whole run: every optimizer step after the warm-up.
+            t.lr_decay_steps = max(self.run.num_steps * t.num_minibatches - t.lr_warmup_steps, 1)
         if self.run.deterministic:
             if self.rollout.mode != "sync":
                 raise ValueError(

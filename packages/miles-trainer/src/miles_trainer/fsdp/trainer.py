@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from miles_trainer._attention import attn_implementation
 from miles_trainer._distributed import broadcast_ok, init_distributed
 from miles_trainer._hf_dir import write_hf_dir
+from miles_trainer._lr import set_lr
 from miles_trainer._malloc import keep_freed_memory
 from miles_trainer._metrics import StepMetrics, token_mean, version_metrics
 from miles_trainer._rmsnorm import use_fast_rms_norm
@@ -155,6 +156,8 @@ class FSDPTrainer:
         assert isinstance(embeddings, torch.nn.Embedding)
         self._vocab_size = int(embeddings.num_embeddings)
         self._optimizer = build_optimizer(list(self._model.parameters()), config, self._rank)
+        # Optimizer steps applied so far: the learning-rate schedule's position (checkpointed).
+        self._optimizer_steps = 0
         self._critic_optimizer: torch.optim.Optimizer | None = None
         if critic_module is not None:
             assert config.critic is not None
@@ -480,7 +483,9 @@ class FSDPTrainer:
             grad_norms.append(grad_norm)
             critic_norms.append(critic_norm)
             if self._finite(metrics, k, grad_norm, critic_norm):
+                set_lr(self._optimizer, cfg.lr_at(self._optimizer_steps))
                 self._optimizer.step()
+                self._optimizer_steps += 1
                 if self._critic_optimizer is not None:
                     self._critic_optimizer.step()
                 if k + 1 < len(micros):
@@ -504,7 +509,7 @@ class FSDPTrainer:
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         if self._critic is not None:
             out["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
-        out["lr"] = float(self._optimizer.param_groups[0]["lr"])
+        out["lr"] = cfg.lr_at(max(self._optimizer_steps - 1, 0))
         out["samples"] = float(len(batch))
         out["tokens"] = float(batch.num_loss_tokens())
         out["optimizer_steps"] = float(n_mb - skipped)
@@ -647,7 +652,11 @@ class FSDPTrainer:
             hf_config=self._model.config,
             source_dir=self.config.model_path,
             layout=self._layout(),
-            extra_meta={"dtype": self.config.dtype, **train_state.state_meta(parts)},
+            extra_meta={
+                "dtype": self.config.dtype,
+                "optimizer_steps": self._optimizer_steps,
+                **train_state.state_meta(parts),
+            },
             client_state=client_state,
             write_state=lambda tmp: train_state.save_state(tmp / train_state.SUBDIR, parts),
         )
@@ -677,6 +686,7 @@ class FSDPTrainer:
                 "build the trainer with the same critic setting"
             )
         train_state.load_state(Path(path) / train_state.SUBDIR, parts, meta)
+        self._optimizer_steps = int(meta.get("optimizer_steps", 0))
         for placed in (self._policy, self._critic):
             if placed is not None:
                 placed.refresh()
@@ -692,7 +702,7 @@ class FSDPTrainer:
         with the same config and world size via `load_state_dict`.
         """
         model_sd, optim_sd = get_state_dict(self._model, self._optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
+        state = {"model": model_sd, "optimizer": optim_sd, "optimizer_steps": self._optimizer_steps}
         if self._critic is not None:
             assert self._critic_optimizer is not None
             critic_sd, critic_optim_sd = get_state_dict(self._critic.module, self._critic_optimizer)
@@ -711,6 +721,7 @@ class FSDPTrainer:
             model_state_dict=state["model"],
             optim_state_dict=_clone_tensors(state["optimizer"]),
         )
+        self._optimizer_steps = int(state.get("optimizer_steps", 0))
         if self._critic is not None:
             assert self._critic_optimizer is not None
             set_state_dict(

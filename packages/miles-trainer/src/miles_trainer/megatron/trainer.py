@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from miles_trainer._distributed import broadcast_ok, init_distributed
 from miles_trainer._hf_dir import check_model_dir, write_hf_dir
+from miles_trainer._lr import set_lr
 from miles_trainer._metrics import StepMetrics, token_mean, version_metrics
 from miles_trainer.advantages import batch_advantages, shape_and_filter
 from miles_trainer.batch import MicroBatch, TrainBatch, make_micro_batch, plan_micro_batches
@@ -192,6 +193,8 @@ class MegatronTrainer:
         )
         self._module.eval()  # dropout is off anyway; eval keeps HF-equal numerics explicit
         self._optimizer = build_optimizer(config, [self._ddp])
+        # Optimizer steps applied so far: the learning-rate schedule's position (checkpointed).
+        self._optimizer_steps = 0
         if config.dtype == "float16":
             self._tcfg.grad_scale_func = self._optimizer.scale_loss
         self._loss_fn = config.loss.build()
@@ -636,7 +639,9 @@ class MegatronTrainer:
             norm = grad_norm(self._optimizer)
             grad_norms.append(norm)
             if self._all_finite(local) and math.isfinite(norm):
+                set_lr(self._optimizer, cfg.lr_at(self._optimizer_steps))
                 apply_step(self._optimizer, norm)
+                self._optimizer_steps += 1
             elif cfg.on_nonfinite == "stop":
                 raise NonFiniteError(
                     f"train_step: non-finite loss or gradient in mini-batch {k} (grad_norm "
@@ -649,7 +654,7 @@ class MegatronTrainer:
         out.update(self._reduce_metrics(metrics))
         out.update(self._r3.metrics(self._device))
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["lr"] = float(self._optimizer.param_groups[0]["lr"])
+        out["lr"] = cfg.lr_at(max(self._optimizer_steps - 1, 0))
         out["samples"] = float(len(batch))
         out["tokens"] = float(batch.num_loss_tokens())
         out["optimizer_steps"] = float(n_mb - skipped)
@@ -739,7 +744,11 @@ class MegatronTrainer:
             hf_config=self._hf_config,
             source_dir=self.config.model_path,
             layout=self._layout(),
-            extra_meta={"dtype": self.config.dtype, "optimizer_state": with_optimizer},
+            extra_meta={
+                "dtype": self.config.dtype,
+                "optimizer_state": with_optimizer,
+                "optimizer_steps": self._optimizer_steps,
+            },
             client_state=client_state,
             write_state=lambda tmp: train_state.save_rank(
                 tmp / train_state.SUBDIR,
@@ -770,6 +779,7 @@ class MegatronTrainer:
             optimizer=self._optimizer,
             with_optimizer=bool(meta["optimizer_state"]),
         )
+        self._optimizer_steps = int(meta.get("optimizer_steps", 0))
         return load_common(path, meta)
 
     def _layout(self) -> dict[str, Any]:
@@ -787,7 +797,12 @@ class MegatronTrainer:
         `load_state_dict`.
         """
         model = {n: p.detach().clone() for n, p in self._module.named_parameters()}
-        return {"model": model, "optimizer": optimizer_state(self._optimizer), "layout": self._par}
+        return {
+            "model": model,
+            "optimizer": optimizer_state(self._optimizer),
+            "layout": self._par,
+            "optimizer_steps": self._optimizer_steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned on this rank (values copied). Collective.
@@ -803,3 +818,4 @@ class MegatronTrainer:
             for n, p in self._module.named_parameters():
                 p.copy_(state["model"][n])
         load_optimizer_state(self._optimizer, state["optimizer"])
+        self._optimizer_steps = int(state.get("optimizer_steps", 0))
