@@ -108,12 +108,19 @@ def test_malformed_and_missing_recipe_files(tmp_path: Path) -> None:
         load_recipe("nope")
 
 
-def test_the_demo_recipe_is_arith_tiny_with_heldout_evaluation(tmp_path: Path) -> None:
+def test_the_demo_recipe_is_arith_tiny_with_heldout_evaluation_and_a_decaying_lr(
+    tmp_path: Path,
+) -> None:
     demo = load_recipe("arith-demo", [f"model_path={tmp_path}"])
     base = load_recipe("arith-tiny", [f"model_path={tmp_path}"])
     assert demo.eval.mode == "shared"
     assert (demo.eval.num_prompts, demo.eval.sampled_n) == (200, 4)
     assert (demo.run.eval_every, demo.run.num_steps) == (50, 300)
     assert base.run.eval_every == 0
-    assert demo.trainer == base.trainer
+    # Its own optimisation: two optimizer steps per batch, lr 3e-4 decayed along a cosine to
+    # 3e-5 over the run (300 steps x 2); otherwise arith-tiny's trainer.
+    assert (demo.trainer.num_minibatches, demo.trainer.lr, demo.trainer.min_lr) == (2, 3e-4, 3e-5)
+    assert (demo.trainer.lr_decay_style, demo.trainer.lr_decay_steps) == ("cosine", 600)
+    assert demo.trainer.loss == base.trainer.loss
+    assert demo.trainer.micro_batch_size == base.trainer.micro_batch_size
     assert demo.task == base.task
