@@ -17,16 +17,34 @@ MCP, workspaces) are not bridged: the episode has no tools.
         yield 1.0 if str(a + b) in str(answer) else 0.0
 
     result = await run_episode(HudTemplateEnv(env), add(a=2, b=3), chat)
+
+`HudAgent` is the other way round: HUD's own agent loop (``OpenAIChatAgent``, HUD's episode
+driver ``hud.eval.run.rollout``, the environment served on loopback by ``LocalRuntime``) with
+an OpenAI endpoint as its provider, as it would call any provider. Give it a TITO session
+(``.../sessions/{id}/v1``) and the session's samples (token ids, loss mask) are the training
+data; HUD's grade is the reward. HUD pins other versions of openai / mcp / pydantic than
+Miles, so the loop runs in HUD's own Python (``tools/setup_agent_frameworks.sh hud``) behind
+a bridge process (``_hud_bridge.py``, JSON lines over stdio). ``hud_agent`` is an
+``AgentFn`` for ``rollout.agent``::
+
+    rollout: {generate_fn: multi_turn, agent: "miles_env.integrations.hud:hud_agent"}
+    # each sample: label = the template id,
+    # metadata["hud"] = {"source": "env.py", "env": "arith", "args": {"a": 2, "b": 3}}
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from miles_env.environment.protocol import Observation, StepResult
 
-__all__ = ["HudTemplateEnv"]
+__all__ = ["HudAgent", "HudBridge", "HudError", "HudTemplateEnv", "hud_agent", "hud_python"]
 
 
 def _task_runner() -> Any:
@@ -121,3 +139,240 @@ class HudTemplateEnv:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cancel()
+
+
+_BRIDGE = Path(__file__).with_name("_hud_bridge.py")
+
+
+def hud_python(python: str | os.PathLike[str] | None = None) -> Path:
+    """HUD's own Python: ``python``, else ``$MILES_ENV_PYTHON_HUD``, else the one
+    ``tools/setup_agent_frameworks.sh hud`` installs.
+
+    Raises:
+        FileNotFoundError: that Python does not exist (the message names the fix).
+    """
+    if python is None:
+        python = os.environ.get("MILES_ENV_PYTHON_HUD")
+    if python is None:
+        cache = Path(os.environ.get("MILES_CACHE_DIR", Path.home() / ".cache" / "miles"))
+        python = cache / "frameworks" / "hud" / "bin" / "python"
+    path = Path(python)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"HUD's Python {path} does not exist: run tools/setup_agent_frameworks.sh hud "
+            "(or set MILES_ENV_PYTHON_HUD)"
+        )
+    return path
+
+
+class HudError(RuntimeError):
+    """The bridge answered a request with an error (the message is HUD's)."""
+
+
+class HudBridge:
+    """The bridge process in HUD's Python (`_hud_bridge.py`); episodes run concurrently.
+
+    Args:
+        python: HUD's Python (`hud_python`).
+    """
+
+    def __init__(self, python: str | os.PathLike[str] | None = None) -> None:
+        self.python = hud_python(python)
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count()
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Start the process (once)."""
+        async with self._lock:
+            if self._proc is not None:
+                return
+            self._proc = await asyncio.create_subprocess_exec(
+                str(self.python),
+                "-P",  # the bridge's folder must not shadow the `hud` package
+                str(_BRIDGE),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                limit=1 << 26,
+            )
+            self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self._proc is not None
+        assert self._proc.stdout is not None
+        while line := await self._proc.stdout.readline():
+            reply = json.loads(line)
+            fut = self._waiting.pop(int(reply["id"]), None)
+            if fut is None or fut.done():
+                continue
+            if reply["ok"]:
+                fut.set_result(reply["result"])
+            else:
+                fut.set_exception(HudError(f"{reply['type']}: {reply['error']}"))
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(HudError("the HUD bridge exited"))
+        self._waiting.clear()
+
+    async def request(self, op: str, **fields: Any) -> Any:
+        """Send one request (starting the process); its result, or `HudError`."""
+        await self.start()
+        assert self._proc is not None
+        assert self._proc.stdin is not None
+        rid = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        self._proc.stdin.write((json.dumps({"id": rid, "op": op, **fields}) + "\n").encode())
+        await self._proc.stdin.drain()
+        return await fut
+
+    async def aclose(self) -> None:
+        """End the process (and the environments it serves). Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+        if self._reader is not None:
+            await self._reader
+
+
+def _source(source: str | os.PathLike[str]) -> str:
+    """A source path made absolute (the bridge runs elsewhere); a module name as is."""
+    path = Path(source)
+    return str(path.resolve()) if path.exists() else str(source)
+
+
+def _reason(reward: float, task: str, grade: Mapping[str, Any]) -> str:
+    why = grade.get("content")
+    return f"HUD grade {reward:g} for template {task!r}" + (f": {why}" if why else "")
+
+
+# OpenAI's client takes these as arguments; the other sampling fields go in the body.
+_OPENAI_KEYS = ("temperature", "top_p", "max_tokens", "stop")
+_BODY_KEYS = ("top_k", "min_p")
+
+
+class HudAgent:
+    """An ``AgentFn`` (``async agent(base_url, sample, request) -> metadata``): HUD's
+    ``OpenAIChatAgent`` plays the template ``sample.label`` of a HUD environment through
+    the session ``base_url``; HUD grades the answer.
+
+    Args:
+        source: the HUD environment: a ``.py`` file (or a folder of them, or a module) that
+            declares it; None: each sample's ``metadata["hud"]["source"]``.
+        env: its name, when the source declares several.
+        python: HUD's Python (`hud_python`); one bridge process per Python.
+        max_turns: HUD's ``max_steps`` (``metadata["max_turns"]`` wins).
+        runtime: ``"local"`` (the environment served in the bridge, one episode at a
+            time per environment: HUD's ``LocalRuntime``) or ``"subprocess"`` (a child
+            per episode, concurrent: ``SubprocessRuntime``).
+        timeout_s: HUD's rollout timeout (None: none).
+
+    ``metadata["hud"]`` may set ``source``, ``env``, ``args`` (the template's arguments),
+    ``runtime`` and ``system_prompt``.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | None = None,
+        *,
+        env: str | None = None,
+        python: str | os.PathLike[str] | None = None,
+        max_turns: int = 16,
+        runtime: str = "local",
+        timeout_s: float | None = None,
+    ) -> None:
+        if runtime not in ("local", "subprocess"):
+            raise ValueError(f"HudAgent runtime must be 'local' or 'subprocess', got {runtime!r}")
+        self.default = {
+            "source": None if source is None else str(source),
+            "env": env,
+            "runtime": runtime,
+        }
+        self.python = python
+        self.max_turns = max_turns
+        self.timeout_s = timeout_s
+        self._bridges: dict[str, HudBridge] = {}
+
+    def _bridge(self, python: str | os.PathLike[str] | None) -> HudBridge:
+        path = str(hud_python(python or self.python))
+        if path not in self._bridges:
+            self._bridges[path] = HudBridge(path)
+        return self._bridges[path]
+
+    async def __call__(self, base_url: str, sample: Any, request: dict[str, Any]) -> dict[str, Any]:
+        """Play one episode; the metadata: ``reward``, ``scores``, ``task``, ``stopped``,
+        ``reward_reason``, ``verifier_error`` (HUD could not grade), ``grade`` (HUD's grade
+        frame), ``notes`` (the trace's errors) and ``metrics``.
+
+        Raises:
+            ValueError: no environment source.
+            HudError: HUD failed the episode before it ran (unknown template, bad args).
+        """
+        md = dict(getattr(sample, "metadata", None) or {})
+        spec = {**self.default, **(md.get("hud") or {})}
+        if not spec.get("source"):
+            raise ValueError(
+                "HudAgent needs a HUD environment: HudAgent('env.py') or "
+                "sample.metadata['hud'] = {'source': 'env.py'}"
+            )
+        kwargs: dict[str, Any] = {k: request[k] for k in _OPENAI_KEYS if request.get(k) is not None}
+        body = {k: request[k] for k in _BODY_KEYS if request.get(k) is not None}
+        if body:
+            kwargs["extra_body"] = body
+        out = await self._bridge(spec.get("python")).request(
+            "rollout",
+            source=_source(spec["source"]),
+            env=spec.get("env"),
+            template=str(sample.label),
+            args=dict(spec.get("args") or {}),
+            base_url=base_url,
+            model=str(spec.get("model") or "policy"),
+            max_steps=int(md.get("max_turns", self.max_turns)),
+            completion_kwargs=kwargs,
+            system_prompt=spec.get("system_prompt"),
+            runtime=str(spec["runtime"]),
+            timeout_s=self.timeout_s,
+        )
+        task = str(sample.label)
+        grade = dict(out["grade"] or {})
+        reward = float(out["reward"])
+        verifier_error = None if out["graded"] else f"HUD did not grade: {grade.get('content')}"
+        scores = {"reward": reward}
+        for sub in grade.get("subscores") or []:
+            if isinstance(sub, Mapping) and isinstance(sub.get("value"), int | float):
+                scores[str(sub.get("name"))] = float(sub["value"])
+        return {
+            "reward": reward,
+            "scores": scores,
+            "stopped": out["stop_reason"] or out["status"],
+            "task": task,
+            "grade": grade,
+            "reward_reason": verifier_error or _reason(reward, task, grade),
+            "verifier_error": verifier_error,
+            "notes": list(out["errors"]),
+            "metrics": {
+                "agentic/turns": float(out["turns"]),
+                "agentic/tool_calls": float(out["tool_calls"]),
+                f"agentic/reward/{task}": reward,
+            },
+        }
+
+    async def aclose(self) -> None:
+        """End every bridge process."""
+        bridges, self._bridges = list(self._bridges.values()), {}
+        for b in bridges:
+            await b.aclose()
+
+
+hud_agent = HudAgent()
+"""The instance a recipe names (``rollout.agent``); the environment comes from each
+sample's ``metadata["hud"]``."""
