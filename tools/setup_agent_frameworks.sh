@@ -23,6 +23,11 @@ for name in "${names[@]}"; do
   [ -n "${spec[$name]:-}" ] || { echo "unknown framework $name (one of ${!spec[*]})" >&2; exit 2; }
   py="${spec[$name]%%|*}"; req="${spec[$name]#*|}"
   dir="$root/$name"
+  # Harbor's podman environment drives podman through podman-compose (podman 4.3 has no
+  # `podman compose`): miles_env.integrations.harbor.
+  if [ "$name" = harbor ] && [ -x "$dir/bin/pip" ] && [ ! -x "$dir/bin/podman-compose" ]; then
+    "$dir/bin/pip" install -q podman-compose
+  fi
   if [ -x "$dir/bin/python" ] && "$dir/bin/python" -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "${req%%=*}" 2>/dev/null; then
     echo "$name: ready ($dir)"; continue
   fi
@@ -37,4 +42,5 @@ for name in "${names[@]}"; do
   rm -rf "$dir"
   "$interp" -m venv "$dir"
   "$dir/bin/pip" install -q "$req"
+  [ "$name" != harbor ] || "$dir/bin/pip" install -q podman-compose
 done
