@@ -75,7 +75,13 @@ class _UpstreamError(Exception):
     """The engine failed the turn (502)."""
 
 
-def _error(status: int, message: str) -> web.Response:
+class _ContextFullError(ValueError):
+    """The conversation does not fit the engine's context (400, OpenAI's
+    ``context_length_exceeded``, which agent frameworks' clients recognise: LiteLLM raises its
+    ContextWindowExceededError, so an agent stops or summarises instead of retrying)."""
+
+
+def _error(status: int, message: str, code: int | str | None = None) -> web.Response:
     kind = {
         404: "not_found_error",
         409: "conflict_error",
@@ -83,7 +89,7 @@ def _error(status: int, message: str) -> web.Response:
         502: "upstream_error",
         503: "overloaded_error",
     }.get(status, "invalid_request_error" if status < 500 else "internal_error")
-    body = {"error": {"message": message, "type": kind, "code": status}}
+    body = {"error": {"message": message, "type": kind, "code": status if code is None else code}}
     return web.json_response(body, status=status)
 
 
@@ -91,6 +97,8 @@ def _error(status: int, message: str) -> web.Response:
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
+    except _ContextFullError as exc:
+        return _error(400, str(exc), "context_length_exceeded")
     except ValueError as exc:
         return _error(400, str(exc))
     except _UpstreamError as exc:
@@ -256,9 +264,10 @@ class _Routes:
         max_new = req.max_tokens
         if ctx is not None:
             if len(input_ids) >= ctx:
-                raise ValueError(
-                    f"the conversation is {len(input_ids)} tokens with this request, over the "
-                    f"engine's context length ({ctx}); start a new session or shorten it"
+                raise _ContextFullError(
+                    f"This model's maximum context length is {ctx} tokens: the conversation is "
+                    f"{len(input_ids)} tokens with this request, over the engine's context "
+                    "length; start a new session or shorten it"
                 )
             room = ctx - len(input_ids)
             max_new = room if max_new is None else min(max_new, room)
