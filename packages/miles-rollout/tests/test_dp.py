@@ -54,6 +54,17 @@ def _wait(cond: Any, what: str) -> None:
         time.sleep(0.002)
 
 
+def _both_running(eng: Engine, futs: list[Any]) -> bool:
+    """Wait until every rank is running a request (True) or one of ``futs`` is done (False)."""
+    deadline = time.monotonic() + 60
+    while not all(st["num_running_reqs"] for st in eng.server_info()["internal_states"]):
+        if any(f.done() for f in futs):
+            return False
+        assert time.monotonic() < deadline, "the requests never started"
+        time.sleep(0.002)
+    return True
+
+
 def test_requests_run_on_the_rank_they_name_with_identical_bits(dp2: Engine) -> None:
     info = dp2.server_info()
     assert info["dp_size"] == 2
@@ -103,10 +114,16 @@ def test_pause_updates_and_flush_apply_to_every_rank(model_dir: Path, model_dir_
     new = list(load_file(str(model_dir_v2 / "model.safetensors")).items())
     params = SamplingParams(max_new_tokens=70, ignore_eos=True, seed=4)
     with EngineConfig(model_path=str(model_dir), dp_size=2, num_threads=1).build() as eng:
-        futs = [eng.submit(_prompt(6, r), params, data_parallel_rank=r) for r in (0, 1)]
-        _wait(
-            lambda: all(st["num_running_reqs"] for st in eng.server_info()["internal_states"]), ""
-        )
+        # Both ranks must be mid-request at the pause. On a loaded machine one rank can finish
+        # its 70 tokens before the other's thread starts: then try again with new requests.
+        for _ in range(20):
+            futs = [eng.submit(_prompt(6, r), params, data_parallel_rank=r) for r in (0, 1)]
+            if _both_running(eng, futs):
+                break
+            for f in futs:
+                f.result(timeout=60)
+        else:
+            pytest.fail("the two ranks never decoded at the same time in 20 tries")
         eng.pause_generation("in_place")
         assert all(st["paused"] for st in eng.server_info()["internal_states"])
         generated = _tokens(eng)

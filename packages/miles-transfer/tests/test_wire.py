@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +26,6 @@ from miles_transfer.push import (
 from miles_transfer.push.wire import _WireUnpickler
 
 FORMATS = [None, "flattened_bucket"]
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def _shm_files() -> set[str]:
@@ -105,10 +103,11 @@ def test_caller_tensors_stay_private(no_shm_leak):
     del got
 
 
+# The reader imports miles-transfer as installed for this interpreter (editable in the dev venv,
+# the built wheel with its native extension under Pants), not from the source tree.
 _CHILD = textwrap.dedent(
     """
     import gc, json, sys
-    sys.path.insert(0, {src!r})
     from miles_transfer import tensor_digest
     from miles_transfer.push import deserialize_named_tensors
     out = deserialize_named_tensors(sys.stdin.read(), load_format={fmt!r})
@@ -124,7 +123,7 @@ def test_round_trip_across_a_process_boundary(load_format, no_shm_leak):
     sent = _tensors()
     payload = serialize_named_tensors(sent, load_format=load_format)
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD.format(src=SRC, fmt=load_format)],
+        [sys.executable, "-c", _CHILD.format(fmt=load_format)],
         input=payload,
         capture_output=True,
         text=True,
