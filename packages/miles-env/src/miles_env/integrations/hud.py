@@ -34,15 +34,13 @@ a bridge process (``_hud_bridge.py``, JSON lines over stdio). ``hud_agent`` is a
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from miles_env.environment.protocol import Observation, StepResult
+from miles_env.integrations._bridge import JsonLinesBridge
 
 __all__ = ["HudAgent", "HudBridge", "HudError", "HudTemplateEnv", "hud_agent", "hud_python"]
 
@@ -169,7 +167,7 @@ class HudError(RuntimeError):
     """The bridge answered a request with an error (the message is HUD's)."""
 
 
-class HudBridge:
+class HudBridge(JsonLinesBridge):
     """The bridge process in HUD's Python (`_hud_bridge.py`); episodes run concurrently.
 
     Args:
@@ -177,71 +175,16 @@ class HudBridge:
     """
 
     def __init__(self, python: str | os.PathLike[str] | None = None) -> None:
-        self.python = hud_python(python)
-        self._proc: asyncio.subprocess.Process | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self._ids = itertools.count()
-        self._lock = asyncio.Lock()
+        super().__init__(hud_python(python), _BRIDGE, HudError, "HUD")
 
     async def start(self) -> None:
         """Start the process (once)."""
-        async with self._lock:
-            if self._proc is not None:
-                return
-            self._proc = await asyncio.create_subprocess_exec(
-                str(self.python),
-                "-P",  # the bridge's folder must not shadow the `hud` package
-                str(_BRIDGE),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                limit=1 << 26,
-            )
-            self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        assert self._proc is not None
-        assert self._proc.stdout is not None
-        while line := await self._proc.stdout.readline():
-            reply = json.loads(line)
-            fut = self._waiting.pop(int(reply["id"]), None)
-            if fut is None or fut.done():
-                continue
-            if reply["ok"]:
-                fut.set_result(reply["result"])
-            else:
-                fut.set_exception(HudError(f"{reply['type']}: {reply['error']}"))
-        for fut in self._waiting.values():
-            if not fut.done():
-                fut.set_exception(HudError("the HUD bridge exited"))
-        self._waiting.clear()
+        await self._spawn()
 
     async def request(self, op: str, **fields: Any) -> Any:
         """Send one request (starting the process); its result, or `HudError`."""
         await self.start()
-        assert self._proc is not None
-        assert self._proc.stdin is not None
-        rid = next(self._ids)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = fut
-        self._proc.stdin.write((json.dumps({"id": rid, "op": op, **fields}) + "\n").encode())
-        await self._proc.stdin.drain()
-        return await fut
-
-    async def aclose(self) -> None:
-        """End the process (and the environments it serves). Idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.stdin is not None:
-            proc.stdin.close()
-        try:
-            await asyncio.wait_for(proc.wait(), timeout=30)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-        if self._reader is not None:
-            await self._reader
+        return await self._send(op, **fields)
 
 
 def _source(source: str | os.PathLike[str]) -> str:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import os
 import subprocess
@@ -40,6 +39,7 @@ from typing import Any
 
 from miles_env.environment.protocol import Observation, StepResult
 from miles_env.environment.tools import clip
+from miles_env.integrations._bridge import JsonLinesBridge
 
 __all__ = [
     "VerifiersAgent",
@@ -117,7 +117,7 @@ def list_verifiers_tasks(
     return list(reply["result"])
 
 
-class VerifiersBridge:
+class VerifiersBridge(JsonLinesBridge):
     """The bridge process in Verifiers' Python, with a taskset loaded.
 
     Args:
@@ -135,77 +135,20 @@ class VerifiersBridge:
         python: str | os.PathLike[str] | None = None,
         pythonpath: Sequence[str | os.PathLike[str]] = (),
     ) -> None:
+        super().__init__(verifiers_python(python), _BRIDGE, VerifiersError, "Verifiers")
         self.taskset = taskset
         self.config = dict(config or {})
-        self.python = verifiers_python(python)
         self.pythonpath = [str(Path(p).resolve()) for p in pythonpath]
         self.tasks: list[dict[str, Any]] = []
-        self._proc: asyncio.subprocess.Process | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self._ids = itertools.count()
-        self._lock = asyncio.Lock()
 
     async def start(self) -> None:
         """Start the process and load the taskset (once)."""
-        async with self._lock:
-            if self._proc is not None:
-                return
-            env = _bridge_env(self.pythonpath)
-            self._proc = await asyncio.create_subprocess_exec(
-                str(self.python),
-                "-P",  # the bridge's folder must not shadow the `verifiers` package
-                str(_BRIDGE),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                env=env,
-                limit=1 << 26,
-            )
-            self._reader = asyncio.create_task(self._read())
-        self.tasks = await self.request("load", taskset=self.taskset, config=self.config)
-
-    async def _read(self) -> None:
-        assert self._proc is not None
-        assert self._proc.stdout is not None
-        while line := await self._proc.stdout.readline():
-            reply = json.loads(line)
-            fut = self._waiting.pop(int(reply["id"]), None)
-            if fut is None or fut.done():
-                continue
-            if reply["ok"]:
-                fut.set_result(reply["result"])
-            else:
-                fut.set_exception(VerifiersError(f"{reply['type']}: {reply['error']}"))
-        for fut in self._waiting.values():
-            if not fut.done():
-                fut.set_exception(VerifiersError("the Verifiers bridge exited"))
-        self._waiting.clear()
+        if await self._spawn(_bridge_env(self.pythonpath)):
+            self.tasks = await self.request("load", taskset=self.taskset, config=self.config)
 
     async def request(self, op: str, **fields: Any) -> Any:
         """Send one request; its result, or `VerifiersError` with Verifiers' message."""
-        if self._proc is None or self._proc.stdin is None:
-            raise VerifiersError("the bridge is not running: call start() first")
-        rid = next(self._ids)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = fut
-        self._proc.stdin.write((json.dumps({"id": rid, "op": op, **fields}) + "\n").encode())
-        await self._proc.stdin.drain()
-        return await fut
-
-    async def aclose(self) -> None:
-        """End the process (its tool servers and runtimes with it). Idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.stdin is not None:
-            proc.stdin.close()
-        try:
-            await asyncio.wait_for(proc.wait(), timeout=30)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-        if self._reader is not None:
-            await self._reader
+        return await self._send(op, **fields)
 
 
 class VerifiersEnv:
@@ -303,7 +246,7 @@ class VerifiersEnv:
 
     async def close(self) -> None:
         """End the episode (its toolsets' teardown runs). Idempotent."""
-        if self.bridge._proc is not None:
+        if self.bridge.running:
             with contextlib.suppress(VerifiersError):
                 await self.bridge.request("close")
 

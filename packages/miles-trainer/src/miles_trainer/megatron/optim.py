@@ -23,7 +23,8 @@ def build_optimizer(
     """Adam(W) with fp32 master weights, through ``get_megatron_optimizer``.
 
     ``config.megatron.distributed_optimizer`` shards the master weights and moments over the
-    data-parallel ranks. The learning rate is constant (``config.lr``). megatron-core applies
+    data-parallel ranks. The trainer sets the learning rate before each step (``config.lr_at``,
+    `miles_trainer._lr.set_lr`). megatron-core applies
     weight decay to matrices only, not to norm weights or biases (its default grouping).
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
