@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import save_tiny_smol
 
 pytest.importorskip("miles_env")
 
@@ -32,32 +33,7 @@ WANT_REWARDS = [1.0, 1.0, 0.0, 0.0]
 
 @pytest.fixture(scope="module")
 def tiny_smol(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer random Llama (hidden 32) with SmolLM2-135M-Instruct's tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from miles_rollout.models import smollm2_dir
-
-    out = tmp_path_factory.mktemp("models") / "tiny-smol"
-    tok = AutoTokenizer.from_pretrained(smollm2_dir(weights=False))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_tiny_smol(tmp_path_factory.mktemp("models") / "tiny-smol")
 
 
 def _miles(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

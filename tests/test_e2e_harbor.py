@@ -11,15 +11,14 @@ few tokens), so the test checks the path (what reached the session, what came ba
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import call_json, save_tiny_smol, tito_sessions
 
 pytest.importorskip("miles_env")
 
@@ -68,45 +67,12 @@ def agent_image() -> str:
 
 @pytest.fixture(scope="module")
 def sessions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from miles_rollout import EngineConfig, serve
-    from miles_rollout.models import smollm2_dir
-    from miles_rollout.session import serve_sessions
-
-    model = tmp_path_factory.mktemp("models") / "tiny-smol"
-    tok = AutoTokenizer.from_pretrained(smollm2_dir(weights=False))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=8192,  # terminus-2's prompt alone is ~900 tokens
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
+    # terminus-2's prompt alone is ~900 tokens
+    model = save_tiny_smol(
+        tmp_path_factory.mktemp("models") / "tiny-smol", max_position_embeddings=8192
     )
-    LlamaForCausalLM(cfg).save_pretrained(model)
-    tok.save_pretrained(model)
-    engine = EngineConfig(model_path=str(model), max_running_requests=2, seed=0).build()
-    try:
-        with serve(engine) as http, serve_sessions(http.url, model) as h:
-            yield SimpleNamespace(h=h, tokenizer=AutoTokenizer.from_pretrained(model))
-    finally:
-        engine.shutdown()
-
-
-def _call(method: str, url: str, body: Any = None) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
+    with tito_sessions(model, max_running_requests=2) as s:
+        yield s
 
 
 def _runs(mask: list[int]) -> list[tuple[int, int]]:
@@ -127,7 +93,7 @@ def test_harbor_terminus_2_trial_through_a_tito_session(
     agent_image: str, sessions: Any, tmp_path: Path
 ) -> None:
     h, tok = sessions.h, sessions.tokenizer
-    sid = _call("POST", f"{h.url}/sessions", {})["session_id"]
+    sid = call_json("POST", f"{h.url}/sessions", {})["session_id"]
     agent = HarborAgent(
         HarborTrialConfig(
             agent="terminus-2", model_name="openai/tiny", max_turns=2, base_image=agent_image
@@ -147,7 +113,7 @@ def test_harbor_terminus_2_trial_through_a_tito_session(
     assert md["stopped"] == "done"
     assert md["metrics"]["agentic/turns"] == 2.0
 
-    samples = _call("GET", f"{h.url}/sessions/{sid}/samples")["samples"]
+    samples = call_json("GET", f"{h.url}/sessions/{sid}/samples")["samples"]
     assert len(samples) == 1, [s["messages"] for s in samples]
     s = samples[0]
     # What terminus-2 sent: its own prompt with the task's instruction, then (the reply not

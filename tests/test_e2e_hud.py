@@ -12,15 +12,14 @@ back), not skill.
 from __future__ import annotations
 
 import asyncio
-import json
 import textwrap
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import call_json, save_tiny_smol, tito_sessions
 
 pytest.importorskip("miles_env")
 
@@ -55,54 +54,13 @@ async def speak():
 
 @pytest.fixture(scope="module")
 def tiny_smol(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer random Llama (hidden 32) with SmolLM2-135M-Instruct's tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from miles_rollout.models import smollm2_dir
-
-    out = tmp_path_factory.mktemp("models") / "tiny-smol"
-    tok = AutoTokenizer.from_pretrained(smollm2_dir(weights=False))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_tiny_smol(tmp_path_factory.mktemp("models") / "tiny-smol")
 
 
 @pytest.fixture(scope="module")
 def sessions(tiny_smol: Path) -> Iterator[Any]:
-    from transformers import AutoTokenizer
-
-    from miles_rollout import EngineConfig, serve
-    from miles_rollout.session import serve_sessions
-
-    engine = EngineConfig(model_path=str(tiny_smol), max_running_requests=4, seed=0).build()
-    try:
-        with serve(engine) as http, serve_sessions(http.url, tiny_smol) as h:
-            yield SimpleNamespace(h=h, tokenizer=AutoTokenizer.from_pretrained(tiny_smol))
-    finally:
-        engine.shutdown()
-
-
-def _call(method: str, url: str, body: Any = None) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
+    with tito_sessions(tiny_smol) as s:
+        yield s
 
 
 @pytest.mark.slow
@@ -114,12 +72,12 @@ def test_hud_loop_through_a_tito_session(sessions: Any, tmp_path: Path) -> None:
     source = tmp_path / "arith_env.py"
     source.write_text(textwrap.dedent(ENV))
     h = sessions.h
-    sid = _call("POST", f"{h.url}/sessions", {})["session_id"]
+    sid = call_json("POST", f"{h.url}/sessions", {})["session_id"]
     agent = HudAgent(source, python=python, max_turns=2)
     sample = SimpleNamespace(label="add", metadata={"hud": {"args": {"a": 3, "b": 4}}})
     request = {"max_tokens": 12, "temperature": 1.0, "top_k": 50}
 
-    sid2 = _call("POST", f"{h.url}/sessions", {})["session_id"]
+    sid2 = call_json("POST", f"{h.url}/sessions", {})["session_id"]
 
     async def play() -> tuple[dict[str, Any], dict[str, Any], str]:
         try:
@@ -142,7 +100,7 @@ def test_hud_loop_through_a_tito_session(sessions: Any, tmp_path: Path) -> None:
     assert md["notes"] == [], md
     assert md["metrics"]["agentic/turns"] == 1.0
     assert md["stopped"] in ("done", "length"), md
-    samples = _call("GET", f"{h.url}/sessions/{sid}/samples")["samples"]
+    samples = call_json("GET", f"{h.url}/sessions/{sid}/samples")["samples"]
     assert len(samples) == 1  # the unknown template never reached the model
     s = samples[0]
     # What HUD's agent sent: the template's prompt (as HUD's text parts), no tools.
@@ -171,7 +129,7 @@ def test_hud_loop_through_a_tito_session(sessions: Any, tmp_path: Path) -> None:
     reason = "right" if right else "expected 7"
     assert md["reward_reason"] == f"HUD grade {md['reward']:g} for template 'add': {reason}"
     # The second episode: HUD's number grade for a non-empty reply.
-    spoken = _call("GET", f"{h.url}/sessions/{sid2}/samples")["samples"][-1]["messages"]
+    spoken = call_json("GET", f"{h.url}/sessions/{sid2}/samples")["samples"][-1]["messages"]
     assert spoken[0]["content"] in ("Say something.", [{"type": "text", "text": "Say something."}])
     assert spoken[-1]["content"].strip(), spoken  # 12 tokens of noise are not empty
     assert (md2["reward"], md2["verifier_error"]) == (1.0, None), md2

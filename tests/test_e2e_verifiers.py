@@ -17,13 +17,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import call_json, save_tiny_smol, tito_sessions
 
 pytest.importorskip("miles_env")
 
@@ -74,54 +74,13 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def tiny_smol(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer random Llama (hidden 32) with SmolLM2-135M-Instruct's tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from miles_rollout.models import smollm2_dir
-
-    out = tmp_path_factory.mktemp("models") / "tiny-smol"
-    tok = AutoTokenizer.from_pretrained(smollm2_dir(weights=False))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_tiny_smol(tmp_path_factory.mktemp("models") / "tiny-smol")
 
 
 @pytest.fixture(scope="module")
 def sessions(tiny_smol: Path) -> Iterator[Any]:
-    from transformers import AutoTokenizer
-
-    from miles_rollout import EngineConfig, serve
-    from miles_rollout.session import serve_sessions
-
-    engine = EngineConfig(model_path=str(tiny_smol), max_running_requests=4, seed=0).build()
-    try:
-        with serve(engine) as http, serve_sessions(http.url, tiny_smol) as h:
-            yield SimpleNamespace(h=h, tokenizer=AutoTokenizer.from_pretrained(tiny_smol))
-    finally:
-        engine.shutdown()
-
-
-def _call(method: str, url: str, body: Any = None) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
+    with tito_sessions(tiny_smol) as s:
+        yield s
 
 
 @pytest.mark.slow
@@ -132,7 +91,7 @@ def test_verifiers_loop_through_a_tito_session(sessions: Any, tmp_path: Path) ->
         pytest.skip(f"verifiers is not installed: run tools/setup_agent_frameworks.sh ({e})")
     (tmp_path / "sum_taskset.py").write_text(textwrap.dedent(TASKSET))
     h = sessions.h
-    sid = _call("POST", f"{h.url}/sessions", {})["session_id"]
+    sid = call_json("POST", f"{h.url}/sessions", {})["session_id"]
     agent = VerifiersAgent("sum_taskset", python=python, pythonpath=[tmp_path], max_turns=2)
     sample = SimpleNamespace(label="add-3-4", metadata={})
 
@@ -148,7 +107,7 @@ def test_verifiers_loop_through_a_tito_session(sessions: Any, tmp_path: Path) ->
     assert set(md["scores"]) == {"correct", "brief", "reward"}
     assert md["scores"]["reward"] == 2.0 * md["scores"]["correct"] + 0.5 * md["scores"]["brief"]
     assert md["metrics"]["agentic/turns"] == 1.0
-    samples = _call("GET", f"{h.url}/sessions/{sid}/samples")["samples"]
+    samples = call_json("GET", f"{h.url}/sessions/{sid}/samples")["samples"]
     assert len(samples) == 1
     s = samples[0]
     # What Verifiers' chat program sent: the task's prompt and its MCP toolset's tool.
