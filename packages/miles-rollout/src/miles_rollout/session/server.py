@@ -5,8 +5,10 @@
     handle.close()
 
 Endpoints (README "Sessions (TITO)"): ``POST /sessions``, ``POST /sessions/{id}/v1/chat/
-completions``, ``GET /sessions/{id}/samples``, ``GET /sessions/{id}``, ``DELETE
-/sessions/{id}``, ``GET /v1/models`` (also under a session), ``GET /health``. Each turn is one
+completions``, ``POST /sessions/{id}/v1/responses`` (OpenAI's Responses API, mapped onto the
+same chat turn: ``session.responses``), ``GET /sessions/{id}/samples``, ``GET /sessions/{id}``,
+``DELETE /sessions/{id}``, ``GET /v1/models`` (also under a session), ``GET /health``. Each
+turn is one
 ``/generate`` on the engine with ``input_ids``, logprobs on, and the session id as
 ``X-SMG-Routing-Key``, so a router keeps a session on one engine (and DP rank).
 
@@ -50,6 +52,7 @@ from miles_rollout.client import EngineClient, SGLangClient, SGLangHTTPError
 from miles_rollout.sampling_params import SamplingParams
 from miles_rollout.session.protocol import ChatRequest, chat_completion, parse_chat_request
 from miles_rollout.session.render import TitoRenderer
+from miles_rollout.session.responses import parse_responses_request, response_object
 from miles_rollout.session.stream import DONE, completion_chunks, sse_event
 from miles_rollout.session.tool_parsers import ParsedMessage, parse_tool_calls, split_reasoning
 from miles_rollout.session.trajectory import Trajectory
@@ -73,6 +76,10 @@ RETRY_AFTER_S = 1
 
 class _UpstreamError(Exception):
     """The engine failed the turn (502)."""
+
+
+class _BusyError(Exception):
+    """Too many turns in flight (503 with ``Retry-After``)."""
 
 
 class _ContextFullError(ValueError):
@@ -103,6 +110,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error(400, str(exc))
     except _UpstreamError as exc:
         return _error(502, str(exc))
+    except _BusyError as exc:
+        response = _error(503, str(exc))
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
     except web.HTTPRequestEntityTooLarge as exc:
         response = _error(
             413,
@@ -133,6 +144,17 @@ async def _json_body(request: web.Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"the request body is not valid JSON: {exc}") from exc
+
+
+@dataclass(slots=True)
+class _TurnResult:
+    """One committed turn, for either API's answer."""
+
+    parsed: ParsedMessage
+    finish: str  # the engine's: "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[dict[str, Any]] | None
 
 
 @dataclass(slots=True)
@@ -236,26 +258,52 @@ class _Routes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         s = self._session(request)
         req = parse_chat_request(await _json_body(request))
-        if self.pending_turns >= self.max_pending_turns:
-            response = _error(
-                503,
-                f"{self.pending_turns} chat turns are in flight, the most this server queues; "
-                f"retry after {RETRY_AFTER_S} s, lower the agents' concurrency, or raise "
-                "--max-pending-turns",
-            )
-            response.headers["Retry-After"] = str(RETRY_AFTER_S)
-            return response
-        self.pending_turns += 1
-        try:
-            async with s.lock:
-                completion = await self._turn(s, req)
-        finally:
-            self.pending_turns -= 1
+        turn = await self._queued_turn(s, req)
+        reason = "length" if turn.finish == "length" else "stop"
+        completion = chat_completion(
+            model=self.model_name,
+            parsed=turn.parsed,
+            finish_reason="tool_calls" if turn.parsed.tool_calls else reason,
+            prompt_tokens=turn.prompt_tokens,
+            completion_tokens=turn.completion_tokens,
+            logprobs=turn.logprobs,
+        )
         if not req.stream:
             return web.json_response(completion)
         return await _send_stream(request, completion, include_usage=req.include_usage)
 
-    async def _turn(self, s: _Session, req: ChatRequest) -> dict[str, Any]:
+    async def responses(self, request: web.Request) -> web.Response:
+        """OpenAI's Responses API: the request mapped onto a chat turn (``session.responses``)."""
+        s = self._session(request)
+        req = parse_responses_request(await _json_body(request))
+        turn = await self._queued_turn(s, req.chat)
+        return web.json_response(
+            response_object(
+                req,
+                model=self.model_name,
+                parsed=turn.parsed,
+                finish=turn.finish,
+                prompt_tokens=turn.prompt_tokens,
+                completion_tokens=turn.completion_tokens,
+                logprobs=turn.logprobs,
+            )
+        )
+
+    async def _queued_turn(self, s: _Session, req: ChatRequest) -> _TurnResult:
+        if self.pending_turns >= self.max_pending_turns:
+            raise _BusyError(
+                f"{self.pending_turns} chat turns are in flight, the most this server queues; "
+                f"retry after {RETRY_AFTER_S} s, lower the agents' concurrency, or raise "
+                "--max-pending-turns"
+            )
+        self.pending_turns += 1
+        try:
+            async with s.lock:
+                return await self._turn(s, req)
+        finally:
+            self.pending_turns -= 1
+
+    async def _turn(self, s: _Session, req: ChatRequest) -> _TurnResult:
         current = s.samples[-1]
         plan = current.plan(req.messages, req.tools)
         target = Trajectory(renderer=self.renderer) if plan.kind == "new_sample" else current
@@ -324,9 +372,6 @@ class _Routes:
         if plan.kind == "new_sample":
             logger.info("session %s: new sample (%s)", s.id, plan.reason)
             s.samples.append(target)
-        reason = "length" if finish.type == "length" else "stop"
-        if parsed.tool_calls:
-            reason = "tool_calls"
         lp = None
         if req.logprobs:
             tok = self.renderer.tokenizer
@@ -334,10 +379,9 @@ class _Routes:
                 {"token": tok.decode([t]), "logprob": v, "bytes": None, "top_logprobs": []}
                 for t, v in zip(ids, logprobs)
             ]
-        return chat_completion(
-            model=self.model_name,
+        return _TurnResult(
             parsed=parsed,
-            finish_reason=reason,
+            finish="length" if finish.type == "length" else "stop",
             prompt_tokens=len(input_ids),
             completion_tokens=len(ids),
             logprobs=lp,
@@ -415,6 +459,7 @@ def build_session_app(
             web.delete("/sessions/{sid}", r.delete),
             web.get("/sessions/{sid}/samples", r.samples),
             web.post("/sessions/{sid}/v1/chat/completions", r.chat),
+            web.post("/sessions/{sid}/v1/responses", r.responses),
             web.get("/sessions/{sid}/v1/models", r.models),
             web.get("/v1/models", r.models),
             web.get("/health", r.health),
