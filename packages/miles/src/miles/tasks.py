@@ -32,6 +32,7 @@ BUILTIN_TASKS: dict[str, Callable[..., Task]] = {
     "word_problems": WordProblemTask,  # seeded multi-step word problems (small LMs)
     "harbor": lambda **p: _agentic().HarborTaskSet(**p),  # Harbor task dirs (miles.agentic)
     "verifiers": lambda **p: _agentic().VerifiersTaskSet(**p),  # a Verifiers taskset
+    "hud": lambda **p: _agentic().HudTaskSet(**p),  # the task rows of a HUD environment
 }
 
 

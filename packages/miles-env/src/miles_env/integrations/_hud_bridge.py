@@ -9,6 +9,10 @@ prints goes to stderr. Requests (``op``):
 - ``templates``: ``source`` (a HUD environment: a ``.py`` file, a folder of them, or a
   module), ``env`` (its name, or None when the source declares one): the environment's
   ``name`` and its ``templates`` (ids).
+- ``tasks``: the task rows (HUD's ``Taskset.from_file``) of ``taskset`` (a ``.py`` file or
+  folder declaring ``hud.eval.Task`` rows, or a JSON / JSONL file of rows; None: ``source``
+  itself) and the environment ``source`` serves: ``name``, ``templates`` (id ->
+  description) and ``rows`` (each ``slug``, ``env``, ``id`` (the template), ``args``).
 - ``rollout``: HUD's own episode driver (``hud.eval.run.rollout``) on the template
   ``template`` with ``args``: the environment served on loopback by ``LocalRuntime`` (in this
   process) or ``SubprocessRuntime`` (a child per episode, ``runtime: "subprocess"``), HUD's
@@ -26,6 +30,7 @@ import asyncio
 import json
 import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 from hud.agents.openai_compatible.agent import OpenAIChatAgent
@@ -33,6 +38,7 @@ from hud.agents.types import AgentStep, OpenAIChatConfig
 from hud.environment import load_environment
 from hud.eval import LocalRuntime, SubprocessRuntime, Task
 from hud.eval.run import rollout
+from hud.eval.taskset import Taskset
 
 _envs: dict[tuple[str, str | None], Any] = {}
 _OUT = sys.stdout
@@ -49,6 +55,25 @@ def _env(source: str, name: str | None) -> Any:
 def templates(source: str, env: str | None = None) -> dict[str, Any]:
     e = _env(source, env)
     return {"name": e.name, "templates": sorted(e.tasks)}
+
+
+def tasks(source: str, env: str | None = None, taskset: str | None = None) -> dict[str, Any]:
+    e = _env(source, env)
+    path = Path(taskset or source)
+    if not path.exists():
+        raise ValueError(
+            f"{source!r} is a module, not a file: name the task rows in a taskset file "
+            "(a .py file declaring hud.eval.Task rows, or a JSON / JSONL file of rows)"
+        )
+    rows = [
+        t.model_dump(mode="json", include={"slug", "env", "id", "args"})
+        for t in Taskset.from_file(path)
+    ]
+    return {
+        "name": e.name,
+        "templates": {tid: f.description for tid, f in sorted(e.tasks.items())},
+        "rows": rows,
+    }
 
 
 async def run_rollout(
@@ -107,6 +132,8 @@ async def _handle(req: dict[str, Any], out: asyncio.Lock) -> None:
         fields = {k: v for k, v in req.items() if k not in ("id", "op")}
         if req["op"] == "templates":
             result: Any = templates(**fields)
+        elif req["op"] == "tasks":
+            result = tasks(**fields)
         elif req["op"] == "rollout":
             result = await run_rollout(**fields)
         else:

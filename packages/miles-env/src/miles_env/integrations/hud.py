@@ -34,7 +34,9 @@ a bridge process (``_hud_bridge.py``, JSON lines over stdio). ``hud_agent`` is a
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,15 @@ from typing import Any
 from miles_env.environment.protocol import Observation, StepResult
 from miles_env.integrations._bridge import JsonLinesBridge
 
-__all__ = ["HudAgent", "HudBridge", "HudError", "HudTemplateEnv", "hud_agent", "hud_python"]
+__all__ = [
+    "HudAgent",
+    "HudBridge",
+    "HudError",
+    "HudTemplateEnv",
+    "hud_agent",
+    "hud_python",
+    "list_hud_tasks",
+]
 
 
 def _task_runner() -> Any:
@@ -187,6 +197,53 @@ class HudBridge(JsonLinesBridge):
         return await self._send(op, **fields)
 
 
+def list_hud_tasks(
+    source: str | os.PathLike[str],
+    *,
+    env: str | None = None,
+    taskset: str | os.PathLike[str] | None = None,
+    python: str | os.PathLike[str] | None = None,
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """The task rows of a HUD taskset, from outside any event loop (a bridge run once).
+
+    Args:
+        source: the HUD environment (a ``.py`` file, a folder of them, or a module).
+        env: its name, when the source declares several.
+        taskset: where the rows are (HUD's ``Taskset.from_file``: a ``.py`` file or folder
+            declaring ``hud.eval.Task`` rows, or a JSON / JSONL file); None: ``source``.
+        python: HUD's Python (`hud_python`).
+        timeout_s: the most seconds the bridge may take.
+
+    Returns:
+        ``name`` (the environment's), ``templates`` (id -> description) and ``rows`` (each
+        ``slug``, ``env``, ``id`` (the template) and ``args``).
+
+    Raises:
+        FileNotFoundError: no HUD Python (the message names the setup command).
+        HudError: HUD could not load the environment or the rows (HUD's message).
+    """
+    request = {"id": 0, "op": "tasks", "source": _source(source), "env": env}
+    request["taskset"] = None if taskset is None else str(Path(taskset).resolve())
+    proc = subprocess.run(
+        [str(hud_python(python)), "-P", str(_BRIDGE)],
+        input=json.dumps(request) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if not lines:
+        raise HudError(
+            f"the HUD bridge exited ({proc.returncode}) without an answer: "
+            f"{proc.stderr.strip()[-2000:]}"
+        )
+    reply = json.loads(lines[0])
+    if not reply["ok"]:
+        raise HudError(f"{reply['type']}: {reply['error']}")
+    return dict(reply["result"])
+
+
 def _source(source: str | os.PathLike[str]) -> str:
     """A source path made absolute (the bridge runs elsewhere); a module name as is."""
     path = Path(source)
@@ -252,7 +309,8 @@ class HudAgent:
         return self._bridges[path]
 
     async def __call__(self, base_url: str, sample: Any, request: dict[str, Any]) -> dict[str, Any]:
-        """Play one episode; the metadata: ``reward``, ``scores``, ``task``, ``stopped``,
+        """Play one episode; the metadata: ``reward``, ``scores``, ``task`` (``metadata["task"]``
+        (a `HudTaskSet` row's slug), else the template), ``stopped``,
         ``reward_reason``, ``verifier_error`` (HUD could not grade), ``grade`` (HUD's grade
         frame), ``notes`` (the trace's errors) and ``metrics``.
 
@@ -285,7 +343,8 @@ class HudAgent:
             runtime=str(spec["runtime"]),
             timeout_s=self.timeout_s,
         )
-        task = str(sample.label)
+        template = str(sample.label)
+        task = str(md.get("task") or template)  # a taskset's row slug, else the template
         grade = dict(out["grade"] or {})
         reward = float(out["reward"])
         verifier_error = None if out["graded"] else f"HUD did not grade: {grade.get('content')}"
@@ -299,7 +358,7 @@ class HudAgent:
             "stopped": out["stop_reason"] or out["status"],
             "task": task,
             "grade": grade,
-            "reward_reason": verifier_error or _reason(reward, task, grade),
+            "reward_reason": verifier_error or _reason(reward, template, grade),
             "verifier_error": verifier_error,
             "notes": list(out["errors"]),
             "metrics": {

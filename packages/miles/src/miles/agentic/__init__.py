@@ -1,5 +1,6 @@
-"""Agentic RL in the loop: Harbor tasks and Verifiers tasksets (``task.name: verifiers``) as
-prompts, a scripted tool-calling policy for CPU runs, per-run agentic metrics and their plot.
+"""Agentic RL in the loop: Harbor tasks, Verifiers tasksets (``task.name: verifiers``) and HUD
+task rows (``task.name: hud``) as prompts, a scripted tool-calling policy for CPU runs, per-run
+agentic metrics and their plot.
 
 Recipes ``terminal`` and ``agentic-coding`` put it together::
 
@@ -18,9 +19,17 @@ except ModuleNotFoundError as e:  # an optional component of the meta-package
         raise
     raise ImportError("agentic tasks need miles-env: pip install 'miles[env]'") from e
 
+from miles.agentic.hud import HudTaskSet
 from miles.agentic.plot import plot_agentic
 from miles.agentic.scripted import ScriptedPolicy, scripted_policy
 from miles.agentic.task import HarborTaskSet
 from miles.agentic.verifiers import VerifiersTaskSet
 
-__all__ = ["HarborTaskSet", "ScriptedPolicy", "VerifiersTaskSet", "plot_agentic", "scripted_policy"]
+__all__ = [
+    "HarborTaskSet",
+    "HudTaskSet",
+    "ScriptedPolicy",
+    "VerifiersTaskSet",
+    "plot_agentic",
+    "scripted_policy",
+]
