@@ -62,7 +62,9 @@ async def longtail_generate(ctx: GenerateContext, sample: Sample) -> Sample:
     return await single_turn_generate(dataclasses.replace(ctx, sampling_params=params), sample)
 
 
-def _run(mode: str, steps: int, out: Path, extra: list[str]) -> dict[str, float]:
+def _run(
+    mode: str, steps: int, out: Path, extra: list[str], threads: int | None
+) -> dict[str, float]:
     sets = [
         f"rollout.mode={mode}",
         "task.name=async_longtail:LongTailTask",
@@ -78,6 +80,9 @@ def _run(mode: str, steps: int, out: Path, extra: list[str]) -> dict[str, float]
     for s in sets:
         cmd += ["--set", s]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
+    if threads is not None:
+        # One OpenMP team size for the whole run: the trainer's ops and the embedded engine.
+        env["OMP_NUM_THREADS"] = str(threads)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -85,13 +90,22 @@ def _run(mode: str, steps: int, out: Path, extra: list[str]) -> dict[str, float]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/step_s" in r][1:]  # step 1 is warm-up
     seconds = sum(r["time/step_s"] for r in rows)
-    n_samples = 0
+    n_samples = n_partial = 0
     for line in (out / "samples.jsonl").read_text().splitlines():
-        n_samples += json.loads(line)["step"] > 1
+        sample = json.loads(line)
+        if sample["step"] <= 1:
+            continue
+        n_samples += 1
+        # A partial rollout: its response tokens came from more than one weight version.
+        n_partial += len({v for v in sample["weight_versions"] if v is not None}) > 1
+    pauses = [r["update/engine_pause_s"] for r in rows if "update/engine_pause_s" in r]
     return {
         "samples_per_s": n_samples / seconds,
         "trainer_idle_frac": statistics.mean(r["time/trainer_idle_frac"] for r in rows),
         "step_s_median": statistics.median(r["time/step_s"] for r in rows),
+        "partial_frac": n_partial / max(n_samples, 1),
+        "update_pause_ms_median": 1e3 * statistics.median(pauses) if pauses else float("nan"),
+        "update_pause_ms_max": 1e3 * max(pauses) if pauses else float("nan"),
         "wall_s": time.perf_counter() - t0,
         "load1": os.getloadavg()[0],
     }
@@ -102,22 +116,30 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--set", action="append", default=[], help="extra recipe overrides")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for each run (default: torch's own choice)",
+    )
     args = p.parse_args()
     extra = ["run.dump_samples=true", *args.set]
     results: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
             for mode in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
-                res = _run(mode, args.steps, Path(tmp) / f"{mode}-{r}", extra)
+                res = _run(mode, args.steps, Path(tmp) / f"{mode}-{r}", extra, args.threads)
                 results[mode].append(res)
                 print(mode, json.dumps({k: round(v, 4) for k, v in res.items()}), flush=True)
     best = {m: max(rs, key=lambda x: x["samples_per_s"]) for m, rs in results.items()}
     ratio = best["async"]["samples_per_s"] / best["sync"]["samples_per_s"]
     print(
-        "| mode | samples/s | trainer idle | step median s |\n| --- | --- | --- | --- |\n"
+        "| mode | samples/s | trainer idle | step median s | partial rollouts | update pause ms"
+        " (median / max) |\n| --- | --- | --- | --- | --- | --- |\n"
         + "\n".join(
             f"| {m} | {b['samples_per_s']:.1f} | {b['trainer_idle_frac']:.1%} | "
-            f"{b['step_s_median']:.2f} |"
+            f"{b['step_s_median']:.2f} | {b['partial_frac']:.1%} | "
+            f"{b['update_pause_ms_median']:.1f} / {b['update_pause_ms_max']:.1f} |"
             for m, b in best.items()
         )
         + f"\n\nasync / sync samples per second: {ratio:.2f}x"
