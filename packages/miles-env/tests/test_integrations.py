@@ -1,10 +1,13 @@
 """Framework integrations against the real frameworks, each run in its own Python (they pin
-other versions of openai / mcp / pydantic than Miles, and NeMo Gym needs Python 3.12): a NeMo
-Gym resources server (``/seed_session``, tools, ``/verify``) and an OpenEnv environment server
+other versions of openai / mcp / pydantic than Miles): an OpenEnv environment server
 (``create_app``: ``/schema``, the ``/ws`` session) driven by `run_episode` with a scripted
 chat, and a Verifiers taskset (its toolset and rubric) through the Verifiers bridge. The
 frameworks' Pythons come from ``tools/setup_agent_frameworks.sh`` (or
-``MILES_ENV_PYTHON_<NAME>``); without one the test is skipped with the reason."""
+``MILES_ENV_PYTHON_<NAME>``); without one the test is skipped with the reason.
+
+NeMo Gym's resources server as an `Environment` (``NemoGymEnv``) is tested in the top-level
+``tests/test_e2e_nemo_gym.py``, beside NeMo Gym's own agent loop, so that one NeMo Gym process
+(about 4 s to start) serves both."""
 
 from __future__ import annotations
 
@@ -61,11 +64,6 @@ def _serve(python: Path, script: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def nemo_gym_url() -> Iterator[str]:
-    yield from _serve(framework_python("nemo-gym"), "nemo_gym_server.py")
-
-
-@pytest.fixture(scope="module")
 def openenv_url() -> Iterator[str]:
     yield from _serve(framework_python("openenv"), "openenv_server.py")
 
@@ -73,62 +71,6 @@ def openenv_url() -> Iterator[str]:
 def _call(cid: str, name: str, args: Any) -> dict[str, Any]:
     text = args if isinstance(args, str) else json.dumps(args)
     return {"id": cid, "type": "function", "function": {"name": name, "arguments": text}}
-
-
-def _row(a: int, b: int) -> dict[str, Any]:
-    tool = {
-        "type": "function",
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-        "strict": False,
-    }
-    params = {
-        "input": [{"role": "user", "content": f"What is {a} + {b}? Use the add tool."}],
-        "tools": [tool],
-    }
-    return {"id": f"add-{a}-{b}", "responses_create_params": params, "a": a, "b": b}
-
-
-def test_nemo_gym_resources_server(loop: Loop, nemo_gym_url: str) -> None:
-    from miles_env.integrations.nemo_gym import NemoGymEnv
-
-    def agent(answer_with_sum: bool) -> Any:
-        async def chat(
-            messages: list[dict[str, Any]], tools: list[dict[str, Any]]
-        ) -> dict[str, Any]:
-            assert [t["function"]["name"] for t in tools] == ["add"]
-            if messages[-1]["role"] == "user":
-                calls = [
-                    _call("c0", "add", {"a": "two"}),
-                    _call("c1", "sub", {}),
-                    _call("c2", "add", {"a": 20, "b": 22}),
-                ]
-                return {"role": "assistant", "content": "", "tool_calls": calls}
-            total = json.loads(messages[-1]["content"])["sum"]
-            return {
-                "role": "assistant",
-                "content": f"The sum is {total if answer_with_sum else 0}.",
-            }
-
-        return chat
-
-    r = loop.run(run_episode(NemoGymEnv(nemo_gym_url), _row(20, 22), agent(True)))
-    assert (r.reward, r.stopped) == (1.0, "done"), r.info
-    out = [m["content"] for m in r.messages if m["role"] == "tool"]
-    assert "missing argument b" in out[0]
-    assert "unknown tool 'sub'" in out[1]
-    assert json.loads(out[2]) == {"sum": 42}
-    assert (r.metrics["tool_calls"], r.metrics["tool_errors"]) == (3, 2)
-    assert r.info["task"] == "add-20-22"
-    wrong = loop.run(run_episode(NemoGymEnv(nemo_gym_url), _row(20, 22), agent(False)))
-    assert wrong.reward == 0.0  # /verify read the final message
-    with pytest.raises(ValueError, match="responses_create_params"):
-        loop.run(run_episode(NemoGymEnv(nemo_gym_url), {"input": "hi"}, agent(True)))
 
 
 def test_openenv_ws_session(loop: Loop, openenv_url: str) -> None:
