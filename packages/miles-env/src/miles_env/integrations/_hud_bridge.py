@@ -147,8 +147,17 @@ async def _handle(req: dict[str, Any], out: asyncio.Lock) -> None:
         _OUT.flush()
 
 
+def _quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    # HUD's LocalRuntime cancels its control-channel session when an episode ends, and asyncio's
+    # stream callback then logs the CancelledError with a traceback: one per episode, no fault.
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        return
+    loop.default_exception_handler(context)
+
+
 async def main() -> None:
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(_quiet_cancelled)
     reader = asyncio.StreamReader(limit=1 << 26)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     out = asyncio.Lock()

@@ -18,7 +18,8 @@ What it takes on a machine without a registry (see packages/miles-env/README.md)
   unless one is set already;
 - a local base image: the task's Dockerfile ``FROM`` is replaced by
   `HarborTrialConfig.base_image` (default `AGENT_IMAGE`: ``miles-env podman-base``'s Debian
-  plus tmux, which terminus-2 needs; `build_agent_image` makes it, apt reaching Debian once);
+  plus tmux, which terminus-2 needs; `build_agent_image` makes it, apt reaching Debian once),
+  and the container stops on SIGKILL (``STOPSIGNAL``: nothing in it handles SIGTERM);
 - LiteLLM is kept from fetching its model price map from GitHub
   (``LITELLM_LOCAL_MODEL_COST_MAP``).
 """
@@ -108,8 +109,8 @@ class HarborTrialConfig:
         max_turns: the agent's turn limit (Harbor's ``max_turns``; None: the agent's own).
         agent_timeout_s: overrides the task's ``[agent] timeout_sec`` (None: the task's).
         agent_kwargs: more keyword arguments of the agent (Harbor's ``agent.kwargs``).
-        base_image: replaces the task Dockerfile's ``FROM`` (no registry is reachable);
-            None builds the Dockerfile as it is.
+        base_image: replaces the task Dockerfile's ``FROM`` (no registry is reachable) and
+            adds ``STOPSIGNAL SIGKILL`` unless it has one; None builds the Dockerfile as it is.
         python: Harbor's Python (None: `harbor_python`).
         keep_trials_dir: keep Harbor's trial directory (logs, trajectory) instead of
             deleting it after the result is read.
@@ -159,6 +160,10 @@ def _task_copy(task_dir: Path, base_image: str | None, into: Path) -> Path:
         if i is None:
             raise ValueError(f"{task_dir / 'environment' / 'Dockerfile'} has no FROM line")
         lines[i] = f"FROM {base_image}"
+        if not any(s.strip().upper().startswith("STOPSIGNAL ") for s in lines):
+            # Harbor's compose runs `sh -c "sleep infinity"` as PID 1, which ignores SIGTERM:
+            # every trial's `down` waited out podman's 10 s grace period (measured) for nothing.
+            lines.append("STOPSIGNAL SIGKILL")
         df.write_text("\n".join(lines) + "\n")
     return dst
 
