@@ -36,6 +36,7 @@ from miles_env.integrations.nemo_gym import (
     NemoGymEnv,
     nemo_gym_python,
 )
+from miles_rollout.session import serve_sessions
 
 SERVER = REPO / "packages" / "miles-env" / "tests" / "frameworks" / "nemo_gym_server.py"
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 20, "b": 22}}\n</tool_call>'
@@ -127,7 +128,6 @@ def sessions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from transformers import AutoTokenizer
 
     from miles_rollout import EngineConfig, LocalEngineClient
-    from miles_rollout.session import serve_sessions
 
     model = save_tiny_smol(tmp_path_factory.mktemp("models") / "tiny-smol")
     engine = EngineConfig(model_path=str(model), max_running_requests=4, seed=0).build()
@@ -196,6 +196,20 @@ def test_nemo_gym_loop_through_a_tito_session(nemo_gym: Any, sessions: Any) -> N
     assert out2[-1]["type"] in ("message", "function_call_output")
     assert md2["reward"] == (1.0 if "42" in said else 0.0)
     assert md2["stopped"] == ("length" if s2["finish_reason"] == "length" else "done"), md2
+    # A session whose context holds the call but not the tool output after it: NeMo Gym's
+    # loop fails at the refused call; the episode is reward 0 with the reason, the call kept.
+    with serve_sessions(sessions.client, tokenizer=tok, context_length=n + 40) as small:
+        sid = call_json("POST", f"{small.url}/sessions", {})["session_id"]
+        sessions.client.scripts[sid] = [CALL]
+        md3 = run(agent(small.session_url(sid), sample, request))
+        (s3,) = call_json("GET", f"{small.url}/sessions/{sid}/samples")["samples"]
+    assert (md3["reward"], md3["stopped"]) == (0.0, "context_full"), md3
+    assert f"maximum context length is {n + 40} tokens" in md3["reward_reason"]
+    assert md3["reward_reason"].endswith(
+        "over the engine's context length; start a new session or shorten it)"
+    )
+    assert s3["num_turns"] == 1
+    assert sum(s3["loss_mask"]) == len(tok.encode(CALL)) + 1
 
 
 def _call(cid: str, name: str, args: Any) -> dict[str, Any]:

@@ -21,7 +21,9 @@ prints goes to stderr. Requests (``op``):
   fields ``/verify`` reads), ``resources_url`` the resources server, ``max_steps`` the
   agent's model-call limit. The agent and model servers are made for the episode (the model
   server's base URL is the episode's) and stopped after it. Answers ``verify`` (the
-  resources server's verify response: ``reward``, ``response``, ...).
+  resources server's verify response: ``reward``, ``response``, ...), or ``context_full``
+  (the endpoint's message) when the endpoint refused a model call with OpenAI's
+  ``context_length_exceeded``: NeMo Gym's agent then fails the whole ``/run``.
 
 Requests run concurrently (replies carry the request's ``id``).
 """
@@ -34,6 +36,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import socket
 import sys
 import traceback
@@ -58,6 +61,8 @@ from responses_api_models.openai_model.app import SimpleModelServer, SimpleModel
 _OUT = sys.stdout
 sys.stdout = sys.stderr  # what NeMo Gym or a server prints must not corrupt the replies
 _HOST = "127.0.0.1"
+# The session server's wording (OpenAI's), inside the error texts NeMo Gym's servers nest.
+_CONTEXT_MESSAGE = re.compile(r"maximum context length is \d+ tokens(?:[^\"'\\]|\\*')*")
 _resources: dict[str, str] = {}
 
 
@@ -208,6 +213,10 @@ async def run(
             http.post(f"http://{_HOST}:{agent_port}/run", json=row) as resp,
         ):
             text = await resp.text()
+            if resp.status != 200 and "context_length_exceeded" in text:
+                why = _CONTEXT_MESSAGE.search(text)
+                said = why.group(0).replace("\\", "") if why else text[:2000]
+                return {"context_full": f"the {said}"}
             if resp.status != 200:
                 raise RuntimeError(f"NeMo Gym's agent /run: HTTP {resp.status}: {text[:2000]}")
             return {"verify": json.loads(text)}

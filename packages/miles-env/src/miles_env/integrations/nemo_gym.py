@@ -410,15 +410,18 @@ class NemoGymAgent:
         return self._bridges[path]
 
     async def __call__(self, base_url: str, sample: Any, request: dict[str, Any]) -> dict[str, Any]:
-        """Play one episode; the metadata: ``reward``, ``scores``, ``task``, ``stopped``,
-        ``reward_reason``, ``verifier_error``, ``notes``, ``metrics`` and ``response`` (the
-        agent's Responses output, as ``/verify`` saw it).
+        """Play one episode; the metadata: ``reward``, ``scores``, ``task``, ``stopped``
+        (``done``, ``length``, ``max_turns`` or ``context_full``), ``reward_reason``,
+        ``verifier_error``, ``notes``, ``metrics`` and ``response`` (the agent's Responses
+        output, as ``/verify`` saw it). A model call the session refuses for its context
+        length fails NeMo Gym's whole run: the episode gets reward 0 (``context_full``, not
+        verified) and keeps the turns the session recorded.
 
         Raises:
             ValueError: no row, no resources server, or both kinds of resources server.
             NemoGymError: NeMo Gym failed the episode (the agent's /run answered an error:
                 a resources server that fails ``/seed_session`` or ``/verify``, a model call
-                refused, e.g. ``context_length_exceeded``).
+                that failed otherwise).
         """
         md = dict(getattr(sample, "metadata", None) or {})
         spec = {**self.default, **{k: v for k, v in (md.get("nemo_gym") or {}).items() if v}}
@@ -462,10 +465,24 @@ class NemoGymAgent:
             max_steps=max_steps,
             extra_body=extra,
         )
+        task = str(row.get("id", getattr(sample, "label", None) or "nemo_gym"))
+        if out.get("context_full"):  # NeMo Gym's loop fails the run: reward 0, turns kept
+            why = str(out["context_full"])
+            return {
+                "reward": 0.0,
+                "scores": {"reward": 0.0},
+                "stopped": "context_full",
+                "task": task,
+                "reward_reason": "not verified: the conversation outgrew the context and NeMo "
+                f"Gym's agent stopped at the refused model call ({why})",
+                "verifier_error": None,
+                "notes": [why],
+                "response": {},
+                "metrics": {"agentic/context_full": 1.0, f"agentic/reward/{task}": 0.0},
+            }
         verify = out["verify"]
         response = dict(verify.get("response") or {})
         output = list(response.get("output") or [])
-        task = str(row.get("id", getattr(sample, "label", None) or "nemo_gym"))
         reward = float(verify["reward"])
         calls = sum(1 for o in output if o.get("type") == "function_call")
         return {
