@@ -258,7 +258,8 @@ def test_engine_failure_is_a_502_and_keeps_completed_turns(chat_dir: Path) -> No
     eng = _engine(chat_dir)
     engine_http = serve(eng)
     h = serve_sessions(engine_http.url, chat_dir)
-    h_1s = serve_sessions(engine_http.url, chat_dir, engine_timeout_s=1.0)
+    # 0.2 s: the paused engine never answers, and the client tries 3 times (2 retries).
+    h_1s = serve_sessions(engine_http.url, chat_dir, engine_timeout_s=0.2)
     try:
         sid = new_session(h)
         messages = [{"role": "user", "content": "hi"}]
@@ -278,7 +279,7 @@ def test_engine_failure_is_a_502_and_keeps_completed_turns(chat_dir: Path) -> No
         assert result[0][0] == 502
         assert "aborted" in result[0][1]["error"]["message"]
         assert export(h, sid) == snapshot
-        # A timeout: the engine, paused after the abort, cannot answer within the 1 s limit.
+        # A timeout: the engine, paused after the abort, cannot answer within the 0.2 s limit.
         sid_1s = new_session(h_1s)
         status, body = chat(h_1s, sid_1s, messages)
         assert status == 502
