@@ -276,3 +276,58 @@ def test_bad_responses_input_is_a_400_naming_the_field(sessions: Any) -> None:
     assert _call("GET", f"{h.url}/sessions/{sid}")[1]["num_turns"] == 0  # nothing committed
     status, out = _call("POST", f"{h.url}/sessions/nope/v1/responses", {"input": "hi"})
     assert status == 404
+
+
+def test_input_items_map_onto_the_chat_messages_of_the_same_turns() -> None:
+    """Reasoning, text and calls of one reply join one assistant message; each
+    function_call_output is a tool message; developer is system; instructions lead."""
+    from miles_rollout.session.responses import parse_responses_request
+
+    text = [{"type": "output_text", "text": "Let me add.", "annotations": []}]
+    thought = [{"type": "summary_text", "text": "Sum."}]
+    reply = {"type": "message", "role": "assistant", "id": "m", "status": "completed"}
+    req = parse_responses_request(
+        {
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "developer", "content": "Use tools."},
+                {"type": "message", "role": "user", "content": "20 + 22?"},
+                {"type": "reasoning", "id": "rs_1", "summary": thought},
+                {**reply, "content": text},
+                {"type": "function_call", "call_id": "a", "name": "add", "arguments": '{"a": 20}'},
+                {"type": "function_call", "call_id": "b", "name": "add", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "a", "output": "42"},
+                {"type": "function_call_output", "call_id": "b", "output": "0"},
+                {"role": "assistant", "content": "42."},
+            ],
+            "tools": [ADD],
+            "tool_choice": {"type": "function", "name": "add"},
+            "max_output_tokens": 9,
+            "include": ["message.output_text.logprobs"],
+        }
+    )  # fmt: skip
+    call = lambda cid, args: {  # noqa: E731
+        "id": cid, "type": "function", "function": {"name": "add", "arguments": args},
+    }  # fmt: skip
+    assert req.chat.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "20 + 22?"},
+        {
+            "role": "assistant",
+            "content": "Let me add.",
+            "tool_calls": [call("a", '{"a": 20}'), call("b", "{}")],
+            "reasoning_content": "Sum.",
+        },
+        {"role": "tool", "tool_call_id": "a", "content": "42"},
+        {"role": "tool", "tool_call_id": "b", "content": "0"},
+        {"role": "assistant", "content": "42."},
+    ]
+    assert req.chat.tools == [
+        {"type": "function", "function": {k: ADD[k] for k in ADD if k != "type"}}
+    ]
+    assert req.chat.tool_choice == {"type": "function", "function": {"name": "add"}}
+    assert (req.chat.max_tokens, req.chat.logprobs) == (9, True)
+    assert parse_responses_request({"input": "hi"}).chat.messages == [
+        {"role": "user", "content": "hi"}
+    ]
