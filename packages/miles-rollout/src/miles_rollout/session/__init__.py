@@ -5,7 +5,8 @@ renders the chat template once, then tokenizes only what each turn appends and k
 generated ids verbatim, so a multi-turn conversation becomes one training sample with a loss
 mask of 1 exactly on generated tokens.
 
-- :func:`serve_sessions` / ``miles-rollout sessions``: the HTTP server.
+- :func:`serve_sessions` / ``miles-rollout sessions``: the HTTP server (OpenAI chat
+  completions, and the Responses API mapped onto the same turn: ``session.responses``).
 - :class:`TitoRenderer`: rendering and tokenizing turns (one family table entry per template).
 - :class:`Trajectory`: the token state of one sample and the history policy.
 """
