@@ -64,6 +64,7 @@ _HOST = "127.0.0.1"
 # The session server's wording (OpenAI's), inside the error texts NeMo Gym's servers nest.
 _CONTEXT_MESSAGE = re.compile(r"maximum context length is \d+ tokens(?:[^\"'\\]|\\*')*")
 _resources: dict[str, str] = {}
+_serving = asyncio.Lock()
 
 
 class _Server(uvicorn.Server):
@@ -139,25 +140,22 @@ def _server_class(spec: str) -> Any:
 
 async def serve_resources(server: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
     key = json.dumps([server, config or {}], sort_keys=True)
-    if key not in _resources:
-        cls = _server_class(server)
-        cls.model_rebuild()  # a module with postponed annotations leaves them unresolved
-        config_cls = cls.model_fields["config"].annotation
-        sock = _socket()
-        port = sock.getsockname()[1]
-        cfg = config_cls.model_validate(
-            {
-                "name": "resources",
-                "host": _HOST,
-                "port": port,
-                "entrypoint": server,
-                **(config or {}),
-            }
-        )
-        instance = cls(config=cfg, server_client=_client({}))
-        _servers.append(await _serve(instance, sock))
-        _resources[key] = f"http://{_HOST}:{port}"
+    async with _serving:  # concurrent first episodes start one server, not several
+        if key not in _resources:
+            _resources[key] = await _start_resources(server, config or {})
     return {"url": _resources[key]}
+
+
+async def _start_resources(server: str, config: dict[str, Any]) -> str:
+    cls = _server_class(server)
+    cls.model_rebuild()  # a module with postponed annotations leaves them unresolved
+    config_cls = cls.model_fields["config"].annotation
+    sock = _socket()
+    port = sock.getsockname()[1]
+    fields = {"name": "resources", "host": _HOST, "port": port, "entrypoint": server, **config}
+    instance = cls(config=config_cls.model_validate(fields), server_client=_client({}))
+    _servers.append(await _serve(instance, sock))
+    return f"http://{_HOST}:{port}"
 
 
 async def run(
@@ -206,8 +204,10 @@ async def run(
         ),
         server_client=client,
     )
-    started = [await _serve(model_server, model_sock), await _serve(agent, agent_sock)]
+    started: list[tuple[_Server, asyncio.Task[None]]] = []
     try:
+        started.append(await _serve(model_server, model_sock))
+        started.append(await _serve(agent, agent_sock))
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http,
             http.post(f"http://{_HOST}:{agent_port}/run", json=row) as resp,
