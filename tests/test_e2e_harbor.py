@@ -1,31 +1,33 @@
-"""Harbor's own agent (terminus-2: LiteLLM chat calls, commands typed into tmux in the task's
-container) runs a Harbor trial of a built-in task, in Harbor's Python and Harbor's podman
-environment, with a session of the real TITO session server (over the embedded engine) as its
-model provider; Harbor's verifier gives the reward.
+"""Harbor's own agent under ``miles train``: ``task.name: harbor`` (a built-in Harbor task) with
+``rollout.agent: miles_env.integrations.harbor:harbor_agent`` runs each episode as a Harbor
+trial (terminus-2: LiteLLM chat calls, commands typed into tmux in the task's container, in
+Harbor's Python and Harbor's podman environment) with a session of the run's TITO session
+server as its model provider; Harbor's verifier gives the reward and the samples are trained.
 
 The model is a tiny random Llama with SmolLM2's tokenizer: what it says is noise (it never
-emits its end-of-turn token, so the requests carry a stop string that ends each reply after a
-few tokens), so the test checks the path (what reached the session, what came back), not skill.
+emits its end-of-turn token, so the sampling settings carry a stop string that ends each reply
+after a few tokens), so the test checks the path (what reached the session, what came back,
+what was trained), not skill.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import subprocess
-from collections.abc import Iterator
+import sys
+import textwrap
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
-from conftest import call_json, save_tiny_smol, tito_sessions
+from conftest import save_tiny_smol
 
 pytest.importorskip("miles_env")
 
 from miles_env.backends import podman as podman_backend
 from miles_env.integrations.harbor import (
     AGENT_IMAGE,
-    HarborAgent,
     HarborTrialConfig,
     build_agent_image,
     harbor_python,
@@ -65,16 +67,6 @@ def agent_image() -> str:
     return AGENT_IMAGE
 
 
-@pytest.fixture(scope="module")
-def sessions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    # terminus-2's prompt alone is ~900 tokens
-    model = save_tiny_smol(
-        tmp_path_factory.mktemp("models") / "tiny-smol", max_position_embeddings=8192
-    )
-    with tito_sessions(model, max_running_requests=2) as s:
-        yield s
-
-
 def _runs(mask: list[int]) -> list[tuple[int, int]]:
     """[start, end) of each run of 1s."""
     runs, start = [], None
@@ -88,58 +80,84 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_harbor_terminus_2_trial_through_a_tito_session(
-    agent_image: str, sessions: Any, tmp_path: Path
-) -> None:
-    h, tok = sessions.h, sessions.tokenizer
-    sid = call_json("POST", f"{h.url}/sessions", {})["session_id"]
-    agent = HarborAgent(
-        HarborTrialConfig(
-            agent="terminus-2", model_name="openai/tiny", max_turns=2, base_image=agent_image
+@pytest.mark.timeout(600)
+def test_miles_train_runs_harbor_agent_on_a_harbor_task(agent_image: str, tmp_path: Path) -> None:
+    """``miles train`` (the real CLI), one step of the smallest group (two trials)."""
+    # terminus-2's prompt alone is ~900 tokens
+    model = save_tiny_smol(tmp_path / "tiny-smol", max_position_embeddings=8192)
+    recipe = tmp_path / "harbor_e2e.py"
+    recipe.write_text(
+        textwrap.dedent(
+            f"""
+            def recipe():
+                return {{
+                    "name": "harbor-e2e",
+                    "model_path": {str(model)!r},
+                    "engine": {{"dtype": "float32", "max_running_requests": 2}},
+                    "sampling": {{"temperature": 1.0, "max_new_tokens": 24, "stop": ["e"]}},
+                    "trainer": {{"lr": 1e-4, "dtype": "float32", "micro_batch_size": 2}},
+                    "rollout": {{
+                        "prompts_per_step": 1,
+                        "n_samples_per_prompt": 2,
+                        "generate_fn": "multi_turn",
+                        "agent": "miles_env.integrations.harbor:harbor_agent",
+                    }},
+                    "task": {{
+                        "name": "harbor",
+                        "params": {{"tasks": ["csv-totals"], "max_turns": 2}},
+                        "reward_fn": "miles_env.rollout:episode_reward",
+                    }},
+                    "run": {{"num_steps": 1, "dump_samples": True}},
+                }}
+            """
         )
     )
-    sample = SimpleNamespace(label=str(TASK), metadata={})
-    request = {"max_tokens": 24, "temperature": 1.0, "stop": ["e"]}
-    md = asyncio.run(agent(h.session_url(sid), sample, request))
+    run = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles", "train", str(recipe), "--out", str(run), "--no-progress"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 1
+    assert row["rollout/failed_frac"] == 0.0, row
+    # Harbor's verifier ran tests/test.sh in each container and wrote a reward (a verifier
+    # error would count here): the noise solved nothing.
+    assert row["rollout/reward_errors"] == 0.0, row
+    assert row["rollout/agentic/reward/csv-totals"] == 0.0
+    assert row["rollout/agentic/turns"] == 2.0  # terminus-2's turn limit, from the task set
+    assert row["train/samples"] == 2.0
+    assert row["train/loss"] == row["train/loss"]  # trained (finite)
 
-    # Harbor's verifier ran tests/test.sh in the container: the noise solved nothing.
-    assert md["task"] == "csv-totals"
-    assert md["verifier_error"] is None, md
-    assert md["reward"] == 0.0
-    assert md["scores"] == {"reward": 0.0}
-    assert md["reward_reason"].startswith("Harbor's verifier: reward 0.0; tests/test.sh said:")
-    assert "revenue.csv" in md["reward_reason"], md["reward_reason"]
-    assert md["stopped"] == "done"
-    assert md["metrics"]["agentic/turns"] == 2.0
+    from transformers import AutoTokenizer
 
-    samples = call_json("GET", f"{h.url}/sessions/{sid}/samples")["samples"]
-    assert len(samples) == 1, [s["messages"] for s in samples]
-    s = samples[0]
-    # What terminus-2 sent: its own prompt with the task's instruction, then (the reply not
-    # being its JSON) its feedback as the second user turn.
+    tok = AutoTokenizer.from_pretrained(model)
     instruction = (TASK / "instruction.md").read_text().strip()
-    roles = [m["role"] for m in s["messages"]]
-    assert roles == ["user", "assistant", "user", "assistant"]
-    assert "command-line tasks" in s["messages"][0]["content"]
-    assert instruction in s["messages"][0]["content"]
-    n_prompt, n_resp = s["prompt_length"], s["response_length"]
-    assert len(s["tokens"]) == n_prompt + n_resp
-    assert len(s["loss_mask"]) == len(s["rollout_logprobs"]) == n_resp
-    assert instruction in tok.decode(s["tokens"][:n_prompt])
-    # The loss mask is 1 exactly on the two replies the engine generated (each at most
-    # max_tokens), 0 on the feedback turn between them, which holds terminus-2's words.
-    runs = _runs(s["loss_mask"])
-    assert len(runs) == 2
-    assert runs[0][0] == 0
-    assert runs[1][1] == n_resp
-    response = s["tokens"][n_prompt:]
-    for (a, b), reply in zip(runs, (s["messages"][1], s["messages"][3]), strict=True):
-        assert 1 <= b - a <= 24 + 1  # + the end-of-turn token that closes a stopped reply
-        text = tok.decode(response[a:b], skip_special_tokens=True)
-        assert text.startswith(reply["content"] or "")
-    between = tok.decode(response[runs[0][1] : runs[1][0]])
-    assert s["messages"][2]["content"].strip()[:60] in between
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2
+    for s in samples:
+        assert s["reward"] == 0.0
+        tokens, mask = s["tokens"], s["loss_mask"]
+        assert all((v is None) == (m == 0) for v, m in zip(s["weight_versions"], mask))
+        # The loss mask is 1 exactly on the two replies the engine generated (each at most
+        # max_new_tokens), 0 on the prompt and on the feedback turn between them.
+        runs = _runs(mask)
+        assert len(runs) == 2, runs
+        assert runs[1][1] == len(tokens)
+        for a, b in runs:
+            assert 1 <= b - a <= 24 + 1  # + the end-of-turn token that closes a stopped reply
+        # What terminus-2 sent through the session: its own prompt with the task's
+        # instruction, then (the reply not being its JSON) its feedback as the next user turn.
+        prompt = tok.decode(tokens[: runs[0][0]])
+        assert "command-line tasks" in prompt
+        assert instruction in prompt
+        between = tok.decode(tokens[runs[0][1] : runs[1][0]])
+        assert "Previous response had parsing errors" in between, between
 
 
 def test_harbor_trial_config_rejects_bad_values() -> None:

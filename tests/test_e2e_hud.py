@@ -1,136 +1,166 @@
-"""HUD's own agent loop against a TITO session: HUD's ``OpenAIChatAgent`` and its episode
-driver (``hud.eval.run.rollout``, the environment template served on loopback by HUD's
-``LocalRuntime``), in HUD's Python through miles_env's bridge, call the session endpoint of
-the real session server over the embedded engine as they would call any provider; the
-session keeps the token ids and the loss mask, HUD's grade comes back as the reward.
+"""HUD's own agent loop under ``miles train``: ``task.name: hud`` lists the task rows of a HUD
+environment (in HUD's Python, through miles_env's bridge), ``rollout.agent:
+miles_env.integrations.hud:hud_agent`` plays each with HUD's ``OpenAIChatAgent`` and episode
+driver (``hud.eval.run.rollout``, the environment served on loopback by HUD's
+``LocalRuntime``) against the run's TITO session server as it would call any provider; the
+session keeps the token ids and the loss mask, HUD's grade comes back as the reward, and the
+samples are trained.
 
 The model is a tiny random Llama with SmolLM2's tokenizer and ChatML template: what it says is
-noise, so the test checks the path (what reached the session, what HUD graded, what came
-back), not skill.
+noise, so the test checks the path (what reached the session, what HUD graded, what was
+trained), not skill.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
-from conftest import call_json, save_tiny_smol, tito_sessions
+from conftest import save_tiny_smol
 
 pytest.importorskip("miles_env")
 
-from miles_env.integrations.hud import HudAgent, HudError, hud_python
+from miles_env.integrations.hud import HudAgent, hud_python
 
-# The grade carries the answer HUD's driver sent, so the test can tell HUD graded exactly the
-# reply the session generated.
+# Two task rows of two templates: a grade object and a bare number. Each grade is also written
+# to graded.jsonl, so the test can tell HUD graded exactly the replies the sessions generated.
 ENV = """
+import json
+from pathlib import Path
+
 import hud
 
 env = hud.Environment("arith")
+GRADED = Path(__file__).with_name("graded.jsonl")
+
+
+def _graded(template, answer, score):
+    with GRADED.open("a") as f:
+        f.write(json.dumps({"template": template, "answer": str(answer), "score": score}) + "\\n")
 
 
 @env.template(id="add", description="Add two integers.")
 async def add(a: int, b: int):
     answer = yield f"What is {a} + {b}? Answer with the number only."
-    text = str(answer)
-    right = str(a + b) in text
-    yield {
-        "score": 1.0 if right else 0.0,
-        "content": "right" if right else f"expected {a + b}",
-        "info": {"answer": text},
-    }
+    score = 1.0 if str(a + b) in str(answer) else 0.0
+    _graded("add", answer, score)
+    yield {"score": score, "content": "right" if score else f"expected {a + b}"}
 
 
 @env.template(id="speak")
 async def speak():
     answer = yield "Say something."
-    yield 1.0 if str(answer).strip() else 0.0
+    score = 1.0 if str(answer).strip() else 0.0
+    _graded("speak", answer, score)
+    yield score
+
+
+tasks = [add(a=3, b=4), speak()]
 """
 
+PROMPTS = {
+    "add": "What is 3 + 4? Answer with the number only.",
+    "speak": "Say something.",
+}
 
-@pytest.fixture(scope="module")
-def tiny_smol(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_smol(tmp_path_factory.mktemp("models") / "tiny-smol")
 
-
-@pytest.fixture(scope="module")
-def sessions(tiny_smol: Path) -> Iterator[Any]:
-    with tito_sessions(tiny_smol) as s:
-        yield s
+def test_hud_agent_without_an_environment_says_how_to_name_one() -> None:
+    with pytest.raises(ValueError, match="needs a HUD environment"):
+        asyncio.run(HudAgent(python="/nope/python")("http://x", SimpleNamespace(label="add"), {}))
 
 
 @pytest.mark.slow
-def test_hud_loop_through_a_tito_session(sessions: Any, tmp_path: Path) -> None:
+@pytest.mark.timeout(600)
+def test_miles_train_runs_hud_agent_on_a_hud_taskset(tmp_path: Path) -> None:
+    """``miles train`` (the real CLI), one step: both rows, two episodes each."""
     try:
-        python = hud_python()
+        hud_python()
     except FileNotFoundError as e:
         pytest.skip(f"hud is not installed: run tools/setup_agent_frameworks.sh ({e})")
-    source = tmp_path / "arith_env.py"
-    source.write_text(textwrap.dedent(ENV))
-    h = sessions.h
-    sid = call_json("POST", f"{h.url}/sessions", {})["session_id"]
-    agent = HudAgent(source, python=python, max_turns=2)
-    sample = SimpleNamespace(label="add", metadata={"hud": {"args": {"a": 3, "b": 4}}})
-    request = {"max_tokens": 12, "temperature": 1.0, "top_k": 50}
-
-    sid2 = call_json("POST", f"{h.url}/sessions", {})["session_id"]
-
-    async def play() -> tuple[dict[str, Any], dict[str, Any], str]:
-        try:
-            md = await agent(h.session_url(sid), sample, request)
-            # Any reply is right here: a grade of 1 (a bare number) comes back as well.
-            md2 = await agent(h.session_url(sid2), SimpleNamespace(label="speak"), request)
-            # A template the environment does not have: HUD's bridge names the ones it has.
-            with pytest.raises(HudError) as bad:
-                await agent(h.session_url(sid), SimpleNamespace(label="nope", metadata={}), {})
-            return md, md2, str(bad.value)
-        finally:
-            await agent.aclose()
-
-    with pytest.raises(ValueError, match="needs a HUD environment"):
-        asyncio.run(HudAgent(python=python)("http://x", SimpleNamespace(label="add"), {}))
-    md, md2, bad = asyncio.run(play())
-    assert bad == "ValueError: HUD environment 'arith' has no template 'nope'; it has add, speak"
-    assert md["task"] == "add"
-    assert md["verifier_error"] is None, md
-    assert md["notes"] == [], md
-    assert md["metrics"]["agentic/turns"] == 1.0
-    assert md["stopped"] in ("done", "length"), md
-    samples = call_json("GET", f"{h.url}/sessions/{sid}/samples")["samples"]
-    assert len(samples) == 1  # the unknown template never reached the model
-    s = samples[0]
-    # What HUD's agent sent: the template's prompt (as HUD's text parts), no tools.
-    first = s["messages"][0]
-    assert first["role"] == "user"
-    text = first["content"] if isinstance(first["content"], str) else first["content"][0]["text"]
-    assert text == "What is 3 + 4? Answer with the number only."
-    assert not s.get("tools")
-    # The session's tokens: generated ids exactly where the loss mask is 1.
-    n_prompt, n_resp = s["prompt_length"], s["response_length"]
-    assert len(s["tokens"]) == n_prompt + n_resp
-    assert len(s["loss_mask"]) == n_resp
-    assert 1 <= sum(s["loss_mask"]) <= 12
-    assert "What is 3 + 4? Answer with the number only." in sessions.tokenizer.decode(
-        s["tokens"][:n_prompt]
+    model = save_tiny_smol(tmp_path / "tiny-smol")
+    (tmp_path / "arith_env.py").write_text(textwrap.dedent(ENV))
+    recipe = tmp_path / "hud_e2e.py"
+    recipe.write_text(
+        textwrap.dedent(
+            f"""
+            def recipe():
+                return {{
+                    "name": "hud-e2e",
+                    "model_path": {str(model)!r},
+                    "engine": {{"dtype": "float32", "max_running_requests": 4}},
+                    "sampling": {{"temperature": 1.0, "max_new_tokens": 12}},
+                    "trainer": {{"lr": 1e-4, "dtype": "float32", "micro_batch_size": 4}},
+                    "rollout": {{
+                        "prompts_per_step": 2,
+                        "n_samples_per_prompt": 2,
+                        "generate_fn": "multi_turn",
+                        "agent": "miles_env.integrations.hud:hud_agent",
+                    }},
+                    "task": {{
+                        "name": "hud",
+                        "params": {{"source": "arith_env.py", "max_turns": 2}},
+                        "reward_fn": "miles_env.rollout:episode_reward",
+                    }},
+                    "run": {{"num_steps": 1, "dump_samples": True}},
+                }}
+            """
+        )
     )
-    generated = [t for t, m in zip(s["tokens"][n_prompt:], s["loss_mask"], strict=True) if m]
-    reply = sessions.tokenizer.decode(generated, skip_special_tokens=True)
-    assert s["messages"][-1]["role"] == "assistant"
-    assert reply.strip() == (s["messages"][-1]["content"] or "").strip()
-    # HUD graded exactly the session's reply, and its grade is the reward.
-    assert md["grade"]["info"]["answer"] == s["messages"][-1]["content"]
-    right = "7" in md["grade"]["info"]["answer"]
-    assert md["reward"] == md["scores"]["reward"] == (1.0 if right else 0.0)
-    assert md["grade"]["content"] == ("right" if right else "expected 7")
-    reason = "right" if right else "expected 7"
-    assert md["reward_reason"] == f"HUD grade {md['reward']:g} for template 'add': {reason}"
-    # The second episode: HUD's number grade for a non-empty reply.
-    spoken = call_json("GET", f"{h.url}/sessions/{sid2}/samples")["samples"][-1]["messages"]
-    assert spoken[0]["content"] in ("Say something.", [{"type": "text", "text": "Say something."}])
-    assert spoken[-1]["content"].strip(), spoken  # 12 tokens of noise are not empty
-    assert (md2["reward"], md2["verifier_error"]) == (1.0, None), md2
-    assert md2["reward_reason"] == "HUD grade 1 for template 'speak'"
+    run = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles", "train", str(recipe), "--out", str(run), "--no-progress"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # no HUD teardown noise
+    (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 1
+    assert row["rollout/failed_frac"] == 0.0, row
+    assert row["rollout/reward_errors"] == 0.0, row  # HUD graded every episode
+    assert row["rollout/agentic/turns"] == 1.0  # an answer without tool calls ends it
+    assert row["rollout/agentic/tool_calls"] == 0.0
+    # Rewards by task row: HUD's slugs (the template id, then a hash of the args).
+    by_task = sorted(k.rsplit("/", 1)[1] for k in row if k.startswith("rollout/agentic/reward/"))
+    assert [t.split("-")[0] for t in by_task] == ["add", "speak"], by_task
+    assert row["rollout/agentic/reward/speak"] == 1.0  # 12 tokens of noise are not empty
+    assert row["train/samples"] == 4.0
+    assert row["train/loss"] == row["train/loss"]  # trained (finite)
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4
+    trained = []
+    for s in samples:
+        tokens, mask = s["tokens"], s["loss_mask"]
+        first = mask.index(1)
+        prompt = tok.decode(tokens[:first])
+        # What HUD's agent sent through the session: the template's prompt, which only HUD's
+        # runtime produces (the task set's item only describes the row, and never got here).
+        (template,) = [t for t, text in PROMPTS.items() if text in prompt]
+        assert "HUD task" not in prompt
+        # One reply, generated: the loss mask and weight versions mark exactly its tokens.
+        assert mask[first:] == [1] * (len(mask) - first)
+        assert 1 <= len(mask) - first <= 12
+        assert all((v is None) == (m == 0) for v, m in zip(s["weight_versions"], mask))
+        reply = tok.decode(tokens[first:], skip_special_tokens=True).strip()
+        trained.append((template, reply, s["reward"]))
+    # HUD graded exactly the replies the sessions generated, and its grades are the rewards.
+    graded = [json.loads(line) for line in (tmp_path / "graded.jsonl").read_text().splitlines()]
+    assert sorted(trained) == sorted(
+        (g["template"], g["answer"].strip(), g["score"]) for g in graded
+    )
+    assert row["rollout/reward_mean"] == pytest.approx(sum(r for *_, r in trained) / 4)
