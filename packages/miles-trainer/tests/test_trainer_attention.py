@@ -4,13 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from miles_trainer import FSDPTrainer, TrainerConfig
-from miles_trainer._attention import GQA_EAGER, attn_implementation, gqa_eager_attention
+from miles_trainer.ops.attention import (
+    GQA_EAGER,
+    attn_implementation,
+    causal_attention,
+    eager_reference,
+    gqa_eager_attention,
+)
 
 MODULE = SimpleNamespace(training=False, num_key_value_groups=3, is_causal=True)
 
@@ -82,4 +89,37 @@ def test_bfloat16_trainer_uses_it(tiny_model_dir: Path) -> None:
     trainer = FSDPTrainer(TrainerConfig(model_path=str(tiny_model_dir), dtype="bfloat16"))
     # On CPU; a GPU machine (where the trainer takes cuda:LOCAL_RANK) keeps SDPA.
     want = GQA_EAGER if trainer.device.type == "cpu" else "sdpa"
-    assert trainer.model.config._attn_implementation == want
+    config: Any = trainer.model.config
+    assert config._attn_implementation == want
+
+
+@pytest.mark.parametrize("scaling", [0.25, 0.1])  # a power of two (folded into the matmuls), not
+@pytest.mark.parametrize("packed", [False, True])
+def test_causal_attention_function_is_autograds_bits(scaling: float, packed: bool) -> None:
+    """The written-out forward and backward against autograd through the eager maths (the path
+    before it): outputs and all three gradients bit for bit, with and without a packed mask."""
+    mask = None
+    if packed:
+        mask = torch.ones(9, 9, dtype=torch.bool).tril()
+        mask[5:, :5] = False  # two packed samples: positions 0-4 and 5-8
+        mask = mask[None, None]
+    q, k, v = _qkv(torch.bfloat16)
+    q, k, v = (t[:1].detach().requires_grad_() for t in (q, k, v))  # a packed batch is one row
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(1, 9, 6, 16, generator=g).to(torch.bfloat16)
+    got = causal_attention(q, k, v, mask, scaling)
+    assert got is not None
+    want = eager_reference(q, k, v, mask, scaling)
+    assert torch.equal(got, want)
+    got_grads = torch.autograd.grad(got, (q, k, v), dout)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.equal(a, b)
+
+
+def test_per_sample_masks_fall_back_to_the_reference() -> None:
+    q, k, v = _qkv(torch.bfloat16)
+    keep = torch.ones(2, 1, 9, 9, dtype=torch.bool).tril()
+    assert causal_attention(q, k, v, keep, 0.25) is None  # [B > 1, 1, L, L]: eager_reference
+    out, _ = gqa_eager_attention(MODULE, q, k, v, keep, scaling=0.25)  # type: ignore[arg-type]
+    assert torch.equal(out, eager_reference(q, k, v, keep, 0.25))

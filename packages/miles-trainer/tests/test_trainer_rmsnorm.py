@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from miles_trainer._malloc import keep_freed_memory
-from miles_trainer._rmsnorm import RMSNormFunction, use_fast_rms_norm
+from miles_trainer.ops.rmsnorm import RMSNormFunction, use_fast_rms_norm
 
 
-def _hf_norm(hidden: int, dtype: torch.dtype) -> torch.nn.Module:
+def _hf_norm(hidden: int, dtype: torch.dtype) -> Any:
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     torch.manual_seed(0)

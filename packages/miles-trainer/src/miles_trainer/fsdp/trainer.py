@@ -19,13 +19,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from miles_trainer._attention import attn_implementation
 from miles_trainer._distributed import broadcast_ok, init_distributed
 from miles_trainer._hf_dir import write_hf_dir
 from miles_trainer._lr import set_lr
 from miles_trainer._malloc import keep_freed_memory
 from miles_trainer._metrics import StepMetrics, token_mean, version_metrics
-from miles_trainer._rmsnorm import use_fast_rms_norm
 from miles_trainer.advantages import batch_advantages, shape_and_filter
 from miles_trainer.batch import MicroBatch, TrainBatch, make_micro_batch, plan_micro_batches
 from miles_trainer.checkpoint import (
@@ -44,6 +42,7 @@ from miles_trainer.fsdp.optim import build_optimizer
 from miles_trainer.fsdp.parallelize import PlacedModel, load_model
 from miles_trainer.logprobs import response_logprobs
 from miles_trainer.losses import value_loss
+from miles_trainer.ops import attn_implementation, use_fast_ops
 from miles_trainer.r3 import RoutingReplay, hf_moe_dims, install_hf, routed_hf_order
 from miles_trainer.trainer import NonFiniteError
 
@@ -127,7 +126,7 @@ class FSDPTrainer:
         if config.critic is not None:
             critic_module = config.critic.build(config.model_path, attn_implementation=attn)
         if dtype != torch.float32:
-            # Low precision on CPU: GEMMs are cheap, elementwise passes are not (_rmsnorm.py).
+            # Low precision on CPU: GEMMs are cheap, elementwise passes are not (ops/).
             for module, placement in (
                 (self._model, "device"),
                 (ref_module, config.reference.placement),
@@ -135,7 +134,7 @@ class FSDPTrainer:
             ):
                 on_cpu = self._device.type == "cpu" or placement == "cpu"
                 if module is not None and on_cpu:
-                    use_fast_rms_norm(module)
+                    use_fast_ops(module)
         if self._device.type == "cpu" or config.reference.placement == "cpu":
             keep_freed_memory()  # reuse activation memory instead of page-faulting it in
 
