@@ -3,13 +3,22 @@
 Harbor (``pip install harbor``, Python 3.12: ``tools/setup_agent_frameworks.sh harbor``) runs a
 *trial*: it builds the task's ``environment/`` image, starts it (here: Harbor's ``podman``
 environment, through ``podman-compose``), lets one of its agents work in it, then runs the
-task's ``tests/test.sh`` and reads the reward it wrote. `run_harbor_trial` runs one trial with
-``harbor trial start`` in Harbor's own Python, pointing the agent at an OpenAI-compatible
-``base_url`` (a TITO session, ``.../sessions/{id}/v1``): Harbor's agent loop (``terminus-2``
-by default: LiteLLM chat calls, commands typed into a tmux session in the container) calls
-the session as it would call any provider, so the session's samples hold the exact token ids
-and loss mask; the reward is Harbor's verifier result. `HarborAgent` is the same as an
-``AgentFn`` for ``rollout.agent`` (the sample's ``label`` is the task directory).
+task's ``tests/test.sh`` and reads the reward it wrote. `run_harbor_trial` runs one trial (what
+``harbor trial start`` does: Harbor's ``Trial.create`` and ``run``) in Harbor's own Python,
+pointing the agent at an OpenAI-compatible ``base_url`` (a TITO session,
+``.../sessions/{id}/v1``): Harbor's agent loop (``terminus-2`` by default: LiteLLM chat calls,
+commands typed into a tmux session in the container) calls the session as it would call any
+provider, so the session's samples hold the exact token ids and loss mask; the reward is
+Harbor's verifier result. Trials run in a bridge process (`HarborBridge`, ``_harbor_bridge.py``,
+JSON lines over stdio) that imports Harbor and LiteLLM once and runs trials concurrently.
+`HarborAgent` is the same as an ``AgentFn`` for ``rollout.agent`` (the sample's ``label`` is
+the task directory), one bridge for all its episodes::
+
+    task:
+      name: harbor
+      params: {dir: ./my_tasks, max_turns: 8}
+      reward_fn: "miles_env.rollout:episode_reward"
+    rollout: {generate_fn: multi_turn, agent: "miles_env.integrations.harbor:harbor_agent"}
 
 What it takes on a machine without a registry (see packages/miles-env/README.md):
 
@@ -28,22 +37,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import shutil
-import signal
 import tempfile
 import uuid
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from miles_env.backends.podman import BASE_IMAGE, build_image
+from miles_env.integrations._bridge import JsonLinesBridge
 
 __all__ = [
     "AGENT_IMAGE",
     "HarborAgent",
+    "HarborBridge",
+    "HarborError",
     "HarborTrialConfig",
     "build_agent_image",
     "harbor_agent",
@@ -62,6 +73,7 @@ events_logger = "file"
 """
 # Sampling keys of the rollout's request that reach the agent's chat calls unchanged.
 _CALL_KEYS = ("max_tokens", "top_p", "top_k", "min_p", "stop", "seed")
+_BRIDGE = Path(__file__).with_name("_harbor_bridge.py")
 
 
 def harbor_python(python: str | os.PathLike[str] | None = None) -> Path:
@@ -114,7 +126,7 @@ class HarborTrialConfig:
         python: Harbor's Python (None: `harbor_python`).
         keep_trials_dir: keep Harbor's trial directory (logs, trajectory) instead of
             deleting it after the result is read.
-        timeout_s: the whole ``harbor trial start`` (image build, agent, verifier).
+        timeout_s: the whole trial (image build, agent, verifier).
     """
 
     agent: str = "terminus-2"
@@ -168,17 +180,80 @@ def _task_copy(task_dir: Path, base_image: str | None, into: Path) -> Path:
     return dst
 
 
-def _trial_env(python: Path, work: Path) -> dict[str, str]:
+def _bridge_env(python: Path, work: Path) -> dict[str, str]:
     env = dict(os.environ)
-    # podman-compose and harbor live next to Harbor's Python.
+    # podman-compose lives next to Harbor's Python.
     env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
     if "CONTAINERS_CONF" not in env:
         conf = work / "containers.conf"
         conf.write_text(_CONTAINERS_CONF)
         env["CONTAINERS_CONF"] = str(conf)
     env.setdefault("OPENAI_API_KEY", os.environ.get("MILES_API_KEY", "miles"))
-    env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # read when LiteLLM is imported
+    env["MILES_HARBOR_BRIDGE_DIR"] = str(work)
     return env
+
+
+class HarborError(RuntimeError):
+    """Harbor failed a trial before it had a result (the message is Harbor's), or the trial
+    ran past its ``timeout_s`` (``TimeoutError: ...``)."""
+
+
+class HarborBridge(JsonLinesBridge):
+    """The bridge process in Harbor's Python (`_harbor_bridge.py`); trials run concurrently.
+
+    It works in a folder of its own (its ``containers.conf`` and Harbor's log,
+    ``bridge.log``), removed by `aclose`.
+
+    Args:
+        python: Harbor's Python (`harbor_python`).
+    """
+
+    def __init__(self, python: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(harbor_python(python), _BRIDGE, HarborError, "Harbor")
+        self.work: Path | None = None
+
+    async def start(self) -> None:
+        """Start the process (once; again after it exited)."""
+        if self._proc is not None and self._proc.returncode is not None:
+            await self.aclose()  # it died: the next trial gets a fresh one
+        if self._proc is not None:
+            return
+        work = Path(tempfile.mkdtemp(prefix="miles-harbor-bridge-"))
+        if await self._spawn(_bridge_env(Path(self.python), work)):
+            self.work = work
+            weakref.finalize(self, shutil.rmtree, work, True)
+        else:  # another caller started it meanwhile
+            shutil.rmtree(work, ignore_errors=True)
+
+    async def trial(self, config: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Run one trial (Harbor's ``TrialConfig`` as JSON); Harbor's ``TrialResult``.
+
+        Raises:
+            HarborError: Harbor failed the trial, or it ran past ``timeout_s``.
+        """
+        await self.start()
+        try:
+            # The bridge cancels the trial at timeout_s; the margin covers Harbor's teardown.
+            return dict(
+                await asyncio.wait_for(
+                    self._send("trial", config=dict(config), timeout_s=timeout_s),
+                    timeout_s + 120,
+                )
+            )
+        except (TimeoutError, asyncio.CancelledError):
+            # Given up here: stop the trial there (Harbor stops its environment).
+            with contextlib.suppress(Exception):
+                cancel = self._send("cancel", name=str(config["trial_name"]))
+                await asyncio.wait_for(asyncio.shield(cancel), 10)
+            raise
+
+    async def aclose(self) -> None:
+        """End the process (it cancels the trials that still run) and remove its folder."""
+        await super().aclose()
+        work, self.work = self.work, None
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def _reason(result: Mapping[str, Any], trial_dir: Path, reward: float) -> str:
@@ -199,6 +274,7 @@ async def run_harbor_trial(
     *,
     config: HarborTrialConfig | None = None,
     request: Mapping[str, Any] | None = None,
+    bridge: HarborBridge | None = None,
 ) -> dict[str, Any]:
     """Run one Harbor trial of ``task_dir`` with Harbor's agent calling ``base_url``.
 
@@ -209,6 +285,8 @@ async def run_harbor_trial(
         request: sampling settings for the agent's chat calls (``temperature`` becomes the
             agent's; ``max_tokens``, ``top_p``, ``top_k``, ``min_p``, ``stop``, ``seed`` go
             into each call).
+        bridge: the bridge to run it in (None: one started and ended for this trial; its
+            ``python`` wins over ``config.python``).
 
     Returns:
         ``reward`` (0.0 when the verifier gave none), ``scores`` (Harbor's rewards by name),
@@ -218,10 +296,12 @@ async def run_harbor_trial(
 
     Raises:
         FileNotFoundError: no Harbor Python, or ``task_dir`` is not a Harbor task.
-        RuntimeError: ``harbor trial start`` failed or wrote no result.
+        HarborError: Harbor failed the trial before it had a result, or it timed out.
     """
     cfg = config or HarborTrialConfig()
-    python = harbor_python(cfg.python)
+    own = bridge is None
+    if bridge is None:
+        bridge = HarborBridge(cfg.python)  # FileNotFoundError names the setup
     task = Path(task_dir).resolve()
     req = dict(request or {})
     work = Path(tempfile.mkdtemp(prefix="miles-harbor-"))
@@ -251,37 +331,8 @@ async def run_harbor_trial(
             },
             "environment": {"type": cfg.environment},
         }
-        (work / "trial.json").write_text(json.dumps(trial))
-        argv = [str(python.parent / "harbor"), "trial", "start", "-c", str(work / "trial.json")]
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            cwd=work,
-            env=_trial_env(python, work),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), cfg.timeout_s)
-        except (TimeoutError, asyncio.CancelledError):
-            # SIGTERM first: Harbor tears its containers down on the way out.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 60)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
-            raise
+        result = await bridge.trial(trial, cfg.timeout_s)
         trial_dir = work / "trials" / name
-        path = trial_dir / "result.json"
-        if proc.returncode != 0 or not path.is_file():
-            text = out.decode(errors="replace")[-3000:]
-            raise RuntimeError(
-                f"`harbor trial start` on {task} exited {proc.returncode} without a result: {text}"
-            )
-        result = json.loads(path.read_text())
         rewards = (result.get("verifier_result") or {}).get("rewards") or {}
         scores = {k: float(v) for k, v in rewards.items() if isinstance(v, int | float)}
         verifier_error = None
@@ -301,6 +352,8 @@ async def run_harbor_trial(
             "trial_dir": str(trial_dir) if cfg.keep_trials_dir else None,
         }
     finally:
+        if own:
+            await bridge.aclose()
         if not cfg.keep_trials_dir:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -312,10 +365,20 @@ class HarborAgent:
     Args:
         config: the trial settings; ``sample.metadata["harbor"]`` overrides fields by name
             and ``metadata["max_turns"]`` the turn limit.
+
+    Trials run in one `HarborBridge` per Harbor Python, started by the first and kept for the
+    next (`aclose` ends them; so does the end of this process).
     """
 
     def __init__(self, config: HarborTrialConfig | None = None) -> None:
         self.config = config or HarborTrialConfig()
+        self._bridges: dict[str, HarborBridge] = {}
+
+    def _bridge(self, python: str | None) -> HarborBridge:
+        path = str(harbor_python(python))
+        if path not in self._bridges:
+            self._bridges[path] = HarborBridge(path)
+        return self._bridges[path]
 
     async def __call__(self, base_url: str, sample: Any, request: dict[str, Any]) -> dict[str, Any]:
         """Play one trial; the metadata: ``reward``, ``scores``, ``task``, ``stopped``,
@@ -325,7 +388,10 @@ class HarborAgent:
         if md.get("max_turns") is not None:
             overrides["max_turns"] = int(md["max_turns"])
         cfg = replace(self.config, **overrides)
-        out = await run_harbor_trial(sample.label, base_url, config=cfg, request=request)
+        bridge = self._bridge(cfg.python)
+        out = await run_harbor_trial(
+            sample.label, base_url, config=cfg, request=request, bridge=bridge
+        )
         task = Path(sample.label).name
         scores = dict(out["scores"])
         scores.setdefault("reward", out["reward"])
@@ -343,6 +409,12 @@ class HarborAgent:
                 f"agentic/reward/{task}": float(out["reward"]),
             },
         }
+
+    async def aclose(self) -> None:
+        """End every bridge process (trials still running are cancelled)."""
+        bridges, self._bridges = list(self._bridges.values()), {}
+        for b in bridges:
+            await b.aclose()
 
 
 harbor_agent = HarborAgent()
