@@ -116,16 +116,20 @@ def _unfuse(model: Any) -> int:
 
 
 @contextlib.contextmanager
-def _baseline_attention() -> Iterator[None]:
-    """The GQA eager attention through autograd (the path before `CausalAttentionFunction`)."""
-    from miles_trainer.ops import attention
+def _baseline_ops() -> Iterator[None]:
+    """The ops as they were before the fused ones: the GQA eager attention through autograd
+    (not `CausalAttentionFunction`) and the RMSNorm input gradient in float32 ops (not the
+    fused LayerNorm kernel)."""
+    from miles_trainer.ops import attention, rmsnorm
 
-    fast = attention.causal_attention
+    fast_attention, fast_grad_x = attention.causal_attention, rmsnorm._grad_x_layer_norm
     attention.causal_attention = lambda *args, **kwargs: None
+    rmsnorm._grad_x_layer_norm = rmsnorm._grad_x_float32
     try:
         yield
     finally:
-        attention.causal_attention = fast
+        attention.causal_attention = fast_attention
+        rmsnorm._grad_x_layer_norm = fast_grad_x
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = _batch(fused, model_dir)
 
     def step(trainer: Any) -> tuple[float, float]:
-        ctx = _baseline_attention() if trainer is base else contextlib.nullcontext()
+        ctx = _baseline_ops() if trainer is base else contextlib.nullcontext()
         with ctx:
             t0, w0 = time.thread_time(), time.perf_counter()
             trainer.train_step(batch)

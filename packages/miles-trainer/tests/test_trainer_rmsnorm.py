@@ -23,11 +23,17 @@ def _hf_norm(hidden: int, dtype: torch.dtype) -> Any:
     return norm.to(dtype)
 
 
-@pytest.mark.parametrize("shape", [(4, 33, 96), (4, 33, 3, 32)])
-def test_forward_bits_equal_transformers_and_backward_is_close(shape: tuple[int, ...]) -> None:
-    hf = _hf_norm(shape[-1], torch.bfloat16)
-    x = (3 * torch.randn(shape)).to(torch.bfloat16)
-    grad = torch.randn(shape).to(torch.bfloat16)
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((4, 33, 96), torch.bfloat16), ((4, 33, 3, 32), torch.bfloat16), ((4, 33, 96), torch.float16)],
+)
+def test_forward_bits_equal_transformers_and_backward_is_close(
+    shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    hf = _hf_norm(shape[-1], dtype)
+    x = (3 * torch.randn(shape)).to(dtype)
+    # A common offset per row: the backward adds LayerNorm's mean term back (ops/rmsnorm.py).
+    grad = (torch.randn(shape) + 0.5).to(dtype)
 
     def run(fn: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         xi = x.clone().requires_grad_()
@@ -42,7 +48,7 @@ def test_forward_bits_equal_transformers_and_backward_is_close(shape: tuple[int,
     got_out, got_dx, got_dw = run(
         lambda xi: RMSNormFunction.apply(xi, hf.weight, hf.variance_epsilon)
     )
-    assert got_out.dtype == torch.bfloat16
+    assert got_out.dtype == dtype
     assert torch.equal(got_out, want_out)  # the forward is bit for bit transformers'
     # Gradients: exact maths in float64 on the same bf16 inputs; both are within bf16 rounding.
     x64 = x.double().requires_grad_()
