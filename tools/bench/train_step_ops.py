@@ -101,14 +101,16 @@ def _trainer(model_dir: Path, dtype: str) -> Any:
 
 
 def _unfuse(model: Any) -> int:
-    """Give the attention modules back their HF forwards (the norms stay)."""
+    """Give the attention modules and the decoder stack back their HF forwards (the norms
+    stay)."""
     import types
 
     count = 0
     for module in model.modules():
         fwd = module.__dict__.get("forward")
-        if isinstance(fwd, types.MethodType) and fwd.__func__.__module__ == (
-            "miles_trainer.ops.attention_block"
+        if isinstance(fwd, types.MethodType) and fwd.__func__.__module__ in (
+            "miles_trainer.ops.attention_block",
+            "miles_trainer.ops.shared_prefix",
         ):
             del module.forward
             count += 1

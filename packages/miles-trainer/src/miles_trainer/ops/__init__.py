@@ -8,6 +8,7 @@ elementwise passes and copies autograd adds around them were a third of a train 
 - `attention`: causal GQA attention with HF's eager maths (``attn_implementation``).
 - `rope`: the rotary embedding in fewer passes, and its gradient.
 - `attention_block`: q/k/v projections, q/k norms and RoPE as one autograd function.
+- `shared_prefix`: rows that share a prefix (a GRPO group's prompt) compute it once.
 
 `use_fast_ops` installs them on a model (instance ``forward``s only: FSDP2's hooks and
 ``torch.func.functional_call`` see the same modules and parameters).
@@ -20,6 +21,7 @@ import torch
 from miles_trainer.ops.attention import GQA_EAGER, attn_implementation
 from miles_trainer.ops.attention_block import use_fast_attention_block
 from miles_trainer.ops.rmsnorm import use_fast_rms_norm
+from miles_trainer.ops.shared_prefix import use_shared_prefix
 
 __all__ = ["GQA_EAGER", "attn_implementation", "use_fast_ops"]
 
@@ -27,12 +29,15 @@ __all__ = ["GQA_EAGER", "attn_implementation", "use_fast_ops"]
 def use_fast_ops(model: torch.nn.Module) -> dict[str, int]:
     """Install the fused ops on ``model`` (an HF causal LM); return how many modules each took.
 
-    RMSNorms always; attention blocks when the model attends with the
-    trainer's GQA eager attention (`attn_implementation` for bf16/fp16 on CPU). Call it after
+    RMSNorms always; attention blocks when the model attends with the trainer's GQA eager
+    attention (`attn_implementation` for bf16/fp16 on CPU), and then the shared-prefix
+    forward of the decoder stack. Call it after
     any forward hooks (QAT) are registered; a module whose projections carry hooks keeps HF's
     forward for that call.
     """
-    return {
+    counts = {
         "rms_norm": use_fast_rms_norm(model),
         "attention": use_fast_attention_block(model, GQA_EAGER),
     }
+    counts["shared_prefix"] = use_shared_prefix(model) if counts["attention"] else 0
+    return counts

@@ -29,7 +29,7 @@ from miles_trainer.ops.attention import causal_attention, eager_reference
 from miles_trainer.ops.rmsnorm import is_hf_rms_norm, rms_norm_backward, rms_norm_forward
 from miles_trainer.ops.rope import rope_backward, rope_forward
 
-__all__ = ["QKVFunction", "use_fast_attention_block"]
+__all__ = ["QKVFunction", "use_fast_attention_block", "uses_fused_attention"]
 
 
 def _norm_rope(
@@ -201,6 +201,12 @@ def _supported(module: torch.nn.Module) -> bool:
         if norms[0].variance_epsilon != norms[1].variance_epsilon:  # type: ignore[union-attr]
             return False
     return True
+
+
+def uses_fused_attention(module: torch.nn.Module) -> bool:
+    """Whether `use_fast_attention_block` routed ``module`` through the fused forward."""
+    fwd = module.__dict__.get("forward")
+    return isinstance(fwd, types.MethodType) and fwd.__func__ is _fused_forward
 
 
 def use_fast_attention_block(model: torch.nn.Module, attn_implementation: str) -> int:
