@@ -30,15 +30,19 @@ import asyncio
 import json
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
-from hud.agents.openai_compatible.agent import OpenAIChatAgent
-from hud.agents.types import AgentStep, OpenAIChatConfig
-from hud.environment import load_environment
-from hud.eval import LocalRuntime, SubprocessRuntime, Task
-from hud.eval.run import rollout
-from hud.eval.taskset import Taskset
+# asyncssh (a HUD dependency) trips cryptography's DSA deprecation warnings on import: noise
+# in every run's log, not ours to fix.
+warnings.filterwarnings("ignore", message="DSA is deprecated")
+from hud.agents.openai_compatible.agent import OpenAIChatAgent  # noqa: E402
+from hud.agents.types import AgentStep, OpenAIChatConfig  # noqa: E402
+from hud.environment import load_environment  # noqa: E402
+from hud.eval import LocalRuntime, SubprocessRuntime, Task  # noqa: E402
+from hud.eval.run import rollout  # noqa: E402
+from hud.eval.taskset import Taskset  # noqa: E402
 
 _envs: dict[tuple[str, str | None], Any] = {}
 _OUT = sys.stdout
