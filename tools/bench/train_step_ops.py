@@ -2,10 +2,12 @@
 
 Why: in the asynchronous loop generation is hidden, so miles' step time on `trl_vs_miles.py
 --workload gen` is its training step; this measures that step alone, with and without
-`miles_trainer.ops` (the fused attention block and attention core), in one process,
-interleaved, on the machine's noisy shared cores. The peer is the trainer's previous path in
-the same run: HF's attention modules through autograd, with the GQA eager attention's
-autograd maths (`ops.attention.eager_reference`) and the same RMSNorm function on both sides.
+`miles_trainer.ops` (fused attention blocks and RMSNorm backward, shared prefixes computed
+once), in one process, interleaved, on the machine's noisy shared cores. The peer is the
+trainer's previous path in the same run: HF's attention modules and decoder stack through
+autograd; in bf16 with the GQA eager attention's autograd maths
+(`ops.attention.eager_reference`) and the RMSNorm function with its float32 backward, as
+before; in float32 with HF's RMSNorms and SDPA.
 
 The workload is `trl_vs_miles.py`'s `gen`: the 10.4M-parameter Qwen3 it builds, 8 arithmetic
 prompts x 8 samples with 64 response tokens each (token ids drawn at random: the cost does not
@@ -100,18 +102,18 @@ def _trainer(model_dir: Path, dtype: str) -> Any:
     return FSDPTrainer(cfg)
 
 
-def _unfuse(model: Any) -> int:
-    """Give the attention modules and the decoder stack back their HF forwards (the norms
-    stay)."""
+def _unfuse(model: Any, dtype: str) -> int:
+    """Give the model the forwards it had before the fused ops: HF's attention modules and
+    decoder stack; HF's RMSNorms too in float32 (bf16 already had the trainer's norm)."""
     import types
 
+    undo = ["miles_trainer.ops.attention_block", "miles_trainer.ops.shared_prefix"]
+    if dtype == "float32":
+        undo.append("miles_trainer.ops.rmsnorm")
     count = 0
     for module in model.modules():
         fwd = module.__dict__.get("forward")
-        if isinstance(fwd, types.MethodType) and fwd.__func__.__module__ in (
-            "miles_trainer.ops.attention_block",
-            "miles_trainer.ops.shared_prefix",
-        ):
+        if isinstance(fwd, types.MethodType) and fwd.__func__.__module__ in undo:
             del module.forward
             count += 1
     return count
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = _model_dir()
     fused = _trainer(model_dir, args.dtype)
     base = _trainer(model_dir, args.dtype)
-    unfused = _unfuse(base.model)
+    unfused = _unfuse(base.model, args.dtype)
     batch = _batch(fused, model_dir)
 
     def step(trainer: Any) -> tuple[float, float]:

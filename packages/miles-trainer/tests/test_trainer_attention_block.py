@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from miles_trainer.ops import use_fast_ops
-from miles_trainer.ops.attention import GQA_EAGER, attn_implementation
+from miles_trainer.ops.attention import attn_implementation
 from miles_trainer.ops.attention_block import use_fast_attention_block
 from miles_trainer.ops.rmsnorm import use_fast_rms_norm
 from miles_trainer.ops.rope import rope_backward, rope_forward
@@ -85,7 +85,7 @@ def test_fused_attention_block_is_hfs_forward_and_autograds_weight_gradients(kin
     use_fast_rms_norm(hf)  # every side: the trainer's norm (its own tests pin it to HF's)
     before = _with_gqa_eager(hf)
     fused = _with_gqa_eager(hf)
-    assert use_fast_attention_block(fused, GQA_EAGER) == 1
+    assert use_fast_attention_block(fused) == 1
     cos, sin = _rope(hf)
     g = torch.Generator().manual_seed(1)
     x = (2 * torch.randn(B, L, 64, generator=g)).to(BF16)
@@ -125,7 +125,7 @@ def test_fused_attention_block_is_hfs_forward_and_autograds_weight_gradients(kin
 def test_hooks_and_caches_take_hfs_forward() -> None:
     hf = _attention("qwen3")
     fused = _with_gqa_eager(hf)
-    assert use_fast_attention_block(fused, GQA_EAGER) == 1
+    assert use_fast_attention_block(fused) == 1
     cos, sin = _rope(hf)
     x = torch.randn(B, L, 64).to(BF16)
     seen: list[str] = []
@@ -139,18 +139,20 @@ def test_hooks_and_caches_take_hfs_forward() -> None:
     assert seen == ["q_proj"]  # without the hook: the fused path, which calls no projection
 
 
-def test_use_fast_ops_keeps_a_qwen3s_logits(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_use_fast_ops_keeps_a_qwen3s_logits(tiny_model_dir: Path, dtype: torch.dtype) -> None:
+    """bf16: HF's eager attention's logits; float32 (attention through HF's SDPA): HF's."""
     from transformers import AutoModelForCausalLM
 
-    attn = attn_implementation(BF16, torch.device("cpu"))
+    attn = attn_implementation(dtype, torch.device("cpu"))
     hf = AutoModelForCausalLM.from_pretrained(
-        str(tiny_model_dir), dtype=BF16, attn_implementation="eager"
+        str(tiny_model_dir), dtype=dtype, attn_implementation="eager" if dtype == BF16 else attn
     )
     model = AutoModelForCausalLM.from_pretrained(
-        str(tiny_model_dir), dtype=BF16, attn_implementation=attn
+        str(tiny_model_dir), dtype=dtype, attn_implementation=attn
     )
     n = model.config.num_hidden_layers
-    assert use_fast_ops(model) == {"rms_norm": 4 * n + 1, "attention": n}
+    assert use_fast_ops(model) == {"rms_norm": 4 * n + 1, "attention": n, "shared_prefix": 1}
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18]])
     with torch.no_grad():
         want = hf(ids, use_cache=False).logits

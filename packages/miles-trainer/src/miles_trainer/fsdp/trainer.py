@@ -125,16 +125,16 @@ class FSDPTrainer:
         critic_module = None
         if config.critic is not None:
             critic_module = config.critic.build(config.model_path, attn_implementation=attn)
-        if dtype != torch.float32:
-            # Low precision on CPU: GEMMs are cheap, elementwise passes are not (ops/).
-            for module, placement in (
-                (self._model, "device"),
-                (ref_module, config.reference.placement),
-                (critic_module, "device"),
-            ):
-                on_cpu = self._device.type == "cpu" or placement == "cpu"
-                if module is not None and on_cpu:
-                    use_fast_ops(module)
+        # On CPU, the trainer's own ops (ops/): fused norms and attention blocks, shared
+        # prefixes computed once; the same forward bits as HF's modules.
+        for module, placement in (
+            (self._model, "device"),
+            (ref_module, config.reference.placement),
+            (critic_module, "device"),
+        ):
+            on_cpu = self._device.type == "cpu" or placement == "cpu"
+            if module is not None and on_cpu:
+                use_fast_ops(module)
         if self._device.type == "cpu" or config.reference.placement == "cpu":
             keep_freed_memory()  # reuse activation memory instead of page-faulting it in
 

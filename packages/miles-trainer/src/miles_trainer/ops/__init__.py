@@ -30,14 +30,14 @@ def use_fast_ops(model: torch.nn.Module) -> dict[str, int]:
     """Install the fused ops on ``model`` (an HF causal LM); return how many modules each took.
 
     RMSNorms always; attention blocks when the model attends with the trainer's GQA eager
-    attention (`attn_implementation` for bf16/fp16 on CPU), and then the shared-prefix
-    forward of the decoder stack. Call it after
+    attention (`attn_implementation` for bf16/fp16 on CPU) or HF's SDPA (float32), and then
+    the shared-prefix forward of the decoder stack. Call it after
     any forward hooks (QAT) are registered; a module whose projections carry hooks keeps HF's
     forward for that call.
     """
     counts = {
         "rms_norm": use_fast_rms_norm(model),
-        "attention": use_fast_attention_block(model, GQA_EAGER),
+        "attention": use_fast_attention_block(model),
     }
     counts["shared_prefix"] = use_shared_prefix(model) if counts["attention"] else 0
     return counts

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from miles_trainer.ops._hooks import hooked
-from miles_trainer.ops.attention import causal_attention, eager_reference
+from miles_trainer.ops.attention import GQA_EAGER, causal_attention, eager_reference
 from miles_trainer.ops.rmsnorm import is_hf_rms_norm, rms_norm_backward, rms_norm_forward
 from miles_trainer.ops.rope import rope_backward, rope_forward
 
-__all__ = ["QKVFunction", "use_fast_attention_block", "uses_fused_attention"]
+__all__ = ["QKVFunction", "attention_core", "use_fast_attention_block", "uses_fused_attention"]
 
 
 def _norm_rope(
@@ -177,10 +177,25 @@ def _fused_forward(
         eps,
         self.head_dim,
     )
-    out = causal_attention(q, k, v, attention_mask, self.scaling)
-    if out is None:  # a per-sample boolean mask
-        out = eager_reference(q, k, v, attention_mask, self.scaling)
+    out = attention_core(self, q, k, v, attention_mask)
     return self.o_proj(out.reshape(B, L, -1)), None
+
+
+def attention_core(
+    module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """The model's attention over ``q [B, H, L, D]``, ``k, v [B, KV, L, D]`` (causal, or a
+    boolean keep-mask): the trainer's GQA eager attention, or HF's SDPA call (float32) as
+    HF makes it; ``[B, L, H, D]`` contiguous."""
+    if module.config._attn_implementation == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        out: torch.Tensor = sdpa_attention_forward(module, q, k, v, mask, scaling=module.scaling)[0]
+        return out
+    fast = causal_attention(q, k, v, mask, module.scaling)
+    if fast is None:  # a per-sample boolean mask
+        return eager_reference(q, k, v, mask, module.scaling)
+    return fast
 
 
 def _supported(module: torch.nn.Module) -> bool:
@@ -209,22 +224,24 @@ def uses_fused_attention(module: torch.nn.Module) -> bool:
     return isinstance(fwd, types.MethodType) and fwd.__func__ is _fused_forward
 
 
-def use_fast_attention_block(model: torch.nn.Module, attn_implementation: str) -> int:
+def use_fast_attention_block(model: torch.nn.Module) -> int:
     """Route every supported attention module of ``model`` through `QKVFunction` and
-    `ops.attention`; return how many.
+    `attention_core`; return how many.
 
     Only modules whose class name ends in ``Attention`` with bias-free ``q_proj``, ``k_proj``,
     ``v_proj``, ``o_proj`` (transformers' Llama, Qwen3, Qwen3-MoE) and full (not sliding)
-    attention are changed, and only when the model computes attention with
-    ``attn_implementation`` (the trainer's GQA eager attention). At run time a KV cache, an
-    additive mask, dropout or forward hooks on the module or its projections send a call to
-    HF's own forward.
+    attention are changed, and only when the model attends with the trainer's GQA eager
+    attention (bf16/fp16 on CPU) or HF's SDPA (float32). At run time a KV cache, an additive
+    mask, dropout or forward hooks on the projections send a call to HF's own forward.
     """
-    if getattr(model.config, "_attn_implementation", None) != attn_implementation:
-        return 0
     count = 0
     for module in model.modules():
-        if type(module).__name__.endswith("Attention") and _supported(module):
+        attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if (
+            type(module).__name__.endswith("Attention")
+            and attn in (GQA_EAGER, "sdpa")
+            and _supported(module)
+        ):
             module.forward = types.MethodType(_fused_forward, module)
             count += 1
     return count

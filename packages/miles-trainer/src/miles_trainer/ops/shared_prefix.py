@@ -34,8 +34,7 @@ from typing import Any
 import torch
 
 from miles_trainer.ops._hooks import hooked
-from miles_trainer.ops.attention import causal_attention
-from miles_trainer.ops.attention_block import QKVFunction, uses_fused_attention
+from miles_trainer.ops.attention_block import QKVFunction, attention_core, uses_fused_attention
 
 __all__ = ["plan_shared_prefix", "use_shared_prefix"]
 
@@ -126,8 +125,7 @@ def _layer(
         attn.head_dim,
     )
     q, k, v = (_to_rows(t, index_BL) for t in (q, k, v))
-    out = causal_attention(q, k, v, None, attn.scaling)
-    assert out is not None
+    out = attention_core(attn, q, k, v, None)
     B, L, H, D = out.shape
     # Every copy of a token attends the same prefix: keep its first occurrence's output.
     out_TC = out.reshape(B * L, H * D).index_select(0, owner_T)
@@ -200,16 +198,15 @@ def _forward(
 
 
 def use_shared_prefix(model: torch.nn.Module) -> int:
-    """Give the decoder stack of ``model`` (an HF Llama/Qwen3 causal LM) the shared-prefix
-    forward; return 1 if it was installed, else 0.
+    """Give every HF Llama/Qwen3 decoder stack in ``model`` (a causal LM's ``model``, a
+    critic's backbone) the shared-prefix forward; return how many.
 
     Install it after `ops.attention_block.use_fast_attention_block`; at each call it checks
     that every layer still uses the fused attention and that nothing else is asked for.
     """
-    inner = getattr(model, "model", None)
-    if inner is None or not all(
-        hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")
-    ):
-        return 0
-    inner.forward = types.MethodType(_forward, inner)
-    return 1
+    count = 0
+    for module in model.modules():
+        if all(hasattr(module, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+            module.forward = types.MethodType(_forward, module)
+            count += 1
+    return count
