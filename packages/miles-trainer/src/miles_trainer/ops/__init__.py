@@ -1,10 +1,11 @@
-"""The trainer's own forward/backward ops for HF Llama/Qwen models in low precision on CPU.
+"""The trainer's own forward/backward ops for HF Llama/Qwen models on CPU.
 
 Each op computes HF's forward bit for bit (tested against transformers' modules) with a
-backward written out instead of autograd's op-by-op one: on CPU, with bf16 GEMMs fast, the
-elementwise passes and copies autograd adds around them were a third of a train step.
+backward written out instead of autograd's op-by-op one: on CPU the elementwise passes and
+copies autograd adds around the GEMMs were a third of a bf16 train step; and rows that repeat
+a prefix (a GRPO group's prompt) compute it once, which cuts the GEMMs themselves.
 
-- `rmsnorm`: HF's RMSNorm (torch's fused kernel forward, a float32 backward).
+- `rmsnorm`: HF's RMSNorm (torch's fused kernel forward, a shorter backward).
 - `attention`: causal GQA attention with HF's eager maths (``attn_implementation``).
 - `rope`: the rotary embedding in fewer passes, and its gradient.
 - `attention_block`: q/k/v projections, q/k norms and RoPE as one autograd function.

@@ -1,14 +1,14 @@
-"""RMSNorm for low-precision training on CPU: transformers' forward bits, a shorter backward.
+"""RMSNorm for training on CPU: transformers' forward bits, a shorter backward.
 
 Why: HF's RMSNorm (``weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(dtype)``) is about
 eight elementwise ops, and autograd differentiates each one, keeping float32 copies of the
 activations. In a bf16 train step on CPU, where the GEMMs are fast, the 25 norms of the `gen`
 benchmark model (4 per layer: input, post-attention, q and k) took about a third of the step
 (28 ms forward + backward per ``[5696, 384]`` norm, one thread). Here the forward is torch's
-fused ``rms_norm`` kernel (the same bits as HF's, checked by the tests); the input gradient
-comes from torch's fused LayerNorm backward kernel with the mean term corrected (bf16/fp16:
-one pass with float32 inside, about 1.7 instead of 4 ms for that norm on the AMD EPYC) or,
-in float32, from ``rstd * (g - x_hat * mean(g * x_hat))`` written out.
+fused ``rms_norm`` kernel (the same bits as HF's, checked by the tests). The input gradient
+comes from torch's fused LayerNorm backward kernel with its mean term taken back out (bf16 /
+fp16: one pass with float32 inside, 1.3-1.6 instead of 2.6-3.0 ms for that norm on the AMD
+EPYC) or, in float32, from ``rstd * (g - x_hat * mean(g * x_hat))`` written out.
 
 `rms_norm_forward` / `rms_norm_backward` are the two halves as plain functions, for fused ops
 that normalise inside their own autograd function (`ops.attention_block`).
@@ -73,7 +73,7 @@ def _grad_x_layer_norm(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
 ) -> torch.Tensor:
     """The input gradient through torch's fused LayerNorm backward (bf16/fp16; one pass with
-    float32 inside: about 1.7 vs 4 ms for ``[5696, 384]`` in bf16, one thread)."""
+    float32 inside: 1.3-1.6 vs 2.6-3.0 ms for ``[5696, 384]`` in bf16, one thread)."""
     C = x.shape[-1]
     zero_mean = torch.zeros_like(rstd)
     grad_x: torch.Tensor = torch.ops.aten.native_layer_norm_backward(
