@@ -16,10 +16,26 @@ BF16 = torch.bfloat16
 
 def test_plan_merges_tokens_whose_rows_agree_up_to_them() -> None:
     ids = torch.tensor([[1, 2, 3, 0], [1, 2, 4, 4], [1, 2, 3, 0], [5, 2, 3, 0]])
-    owner, index = plan_shared_prefix(ids, torch.arange(4)[None])
+    owner, index = plan_shared_prefix(ids)
     # Distinct: 1, 12, 123, 1230 (rows 0 and 2), 124, 1244, 5, 52, 523, 5230.
     assert owner.tolist() == [0, 1, 2, 3, 6, 7, 12, 13, 14, 15]
     assert index.tolist() == [[0, 1, 2, 3], [0, 1, 4, 5], [0, 1, 2, 3], [6, 7, 8, 9]]
+    assert torch.equal(ids.view(-1)[owner][index], ids)
+
+
+def test_plan_matches_the_definition_on_random_groups() -> None:
+    """Against the definition, a dict of prefixes, on rows that share prompts and sometimes
+    the start of their responses (a tiny vocabulary makes chance repeats)."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 3, (int(n),), generator=g) for n in (4, 4, 6)]
+    rows = [torch.cat([p, torch.randint(0, 3, (9 - len(p),), generator=g)]) for p in prompts * 4]
+    ids = torch.stack(rows)[torch.randperm(12, generator=g)]
+    owner, index = plan_shared_prefix(ids)
+    seen: dict[tuple[int, ...], int] = {}
+    want = [
+        [seen.setdefault(tuple(row[: j + 1]), len(seen)) for j in range(9)] for row in ids.tolist()
+    ]
+    assert index.tolist() == want  # first-occurrence order is the dict's insertion order
     assert torch.equal(ids.view(-1)[owner][index], ids)
 
 

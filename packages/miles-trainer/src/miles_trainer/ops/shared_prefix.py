@@ -10,9 +10,9 @@ adds) once per distinct token-with-its-prefix, and only the attention on the row
 are, gathering queries, keys and values from the distinct tokens. The token-wise matmuls of
 `gen` shrink from 5696 to about 4300 rows.
 
-Two tokens are the same when their rows agree on every token (and position) up to and
-including them, found column by column (`plan_shared_prefix`); this also merges rows that
-repeat a whole sequence or begin their responses alike.
+Two tokens are the same when their rows agree on every token up to and including them
+(`plan_shared_prefix`; rows at positions ``0..L-1``, the padded layout); this also merges rows
+that repeat a whole sequence or begin their responses alike.
 
 Numerics: the forward is the padded forward's bit for bit (a matmul's row does not depend on
 the other rows, checked by the tests; the attention sees the same rows). In the backward,
@@ -42,10 +42,14 @@ __all__ = ["plan_shared_prefix", "use_shared_prefix"]
 _MAX_DISTINCT_SHARE = 0.95
 
 
-def plan_shared_prefix(
-    input_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct tokens of a batch, where a token is its row's prefix up to it.
+def plan_shared_prefix(input_ids_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct tokens of a batch whose rows share their positions (``0..L-1``), where a
+    token is its row's prefix up to and including it.
+
+    Rows are sorted lexicographically; each row then shares its first ``lcp`` tokens with the
+    row before it (their longest common prefix) and brings new ones after: rows that agree up
+    to a token are contiguous in that order, so this finds every repeat with one vector
+    comparison per row.
 
     Returns:
         ``(owner_T, index_BL)``: for each distinct token, the flat index (``row * L + col``)
@@ -54,18 +58,18 @@ def plan_shared_prefix(
     """
     B, L = input_ids_BL.shape
     ids = input_ids_BL.to(torch.int64)
-    pos = position_ids_BL.to(torch.int64).expand(B, L)
-    n_ids = int(ids.max()) + 1
-    n_pos = int(pos.max()) + 1
+    rows = sorted(range(B), key=ids.tolist().__getitem__)
     gid_BL = torch.empty(B, L, dtype=torch.int64)
-    parent = torch.zeros(B, dtype=torch.int64)
-    next_id = 0
-    for j in range(L):
-        key = (parent * n_ids + ids[:, j]) * n_pos + pos[:, j]
-        _, inverse = torch.unique(key, return_inverse=True)
-        gid_BL[:, j] = inverse + next_id
-        next_id += int(inverse.max()) + 1
-        parent = gid_BL[:, j]
+    next_id, prev = 0, -1
+    for r in rows:
+        lcp = 0
+        if prev >= 0:
+            diff = (ids[r] != ids[prev]).nonzero()
+            lcp = int(diff[0]) if diff.numel() else L
+            gid_BL[r, :lcp] = gid_BL[prev, :lcp]
+        gid_BL[r, lcp:] = torch.arange(next_id, next_id + L - lcp)
+        next_id += L - lcp
+        prev = r
     flat = torch.arange(B * L, dtype=torch.int64)
     first = torch.full((next_id,), B * L, dtype=torch.int64)
     first.scatter_reduce_(0, gid_BL.view(-1), flat, reduce="amin")
@@ -178,9 +182,11 @@ def _forward(
     B, L = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
-    if position_ids.shape[-1] != L or bool((position_ids[..., 1:] <= position_ids[..., :-1]).any()):
-        return hf()  # packed rows (positions restart): their mask is not causal over the row
-    owner_T, index_BL = plan_shared_prefix(input_ids.cpu(), position_ids.cpu())
+    elif position_ids.shape[-1] != L or not bool(
+        (position_ids == torch.arange(L, device=position_ids.device)).all()
+    ):
+        return hf()  # packed rows (positions restart) or other positions: HF's forward
+    owner_T, index_BL = plan_shared_prefix(input_ids.cpu())
     if owner_T.numel() > _MAX_DISTINCT_SHARE * B * L:
         return hf()
     owner_T, index_BL = owner_T.to(input_ids.device), index_BL.to(input_ids.device)
