@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -79,10 +78,23 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _miles_train(recipe: Path, run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``miles train RECIPE`` through the CLI's entry point, in this process (the run's
+    imports are this process's: about 10 s less than a fresh ``python -m miles``)."""
+    from miles.cli import main as miles_main
+
+    monkeypatch.chdir(recipe.parent)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the recipe's folder is added to it
+    assert miles_main(["train", str(recipe), "--out", str(run), "--no-progress"]) == 0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_miles_train_runs_harbor_agent_on_a_harbor_task(agent_image: str, tmp_path: Path) -> None:
-    """``miles train`` (the real CLI), one step of the smallest group (two trials)."""
+def test_miles_train_runs_harbor_agent_on_a_harbor_task(
+    agent_image: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``miles train`` (the CLI's entry point, ``miles.cli.main``), one step of the smallest
+    group (two trials)."""
     # terminus-2's prompt alone is ~900 tokens
     model = save_tiny_smol(tmp_path / "tiny-smol", max_position_embeddings=8192)
     recipe = tmp_path / "harbor_e2e.py"
@@ -113,16 +125,7 @@ def test_miles_train_runs_harbor_agent_on_a_harbor_task(agent_image: str, tmp_pa
         )
     )
     run = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        [sys.executable, "-m", "miles", "train", str(recipe), "--out", str(run), "--no-progress"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=500,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _miles_train(recipe, run, monkeypatch)
     (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert row["step"] == 1
     assert row["rollout/failed_frac"] == 0.0, row

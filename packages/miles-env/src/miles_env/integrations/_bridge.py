@@ -41,14 +41,36 @@ class JsonLinesBridge:
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def running(self) -> bool:
         """Whether the process was started and not closed."""
         return self._proc is not None
 
+    def _on_this_loop(self) -> bool:
+        """Whether the process runs and was started on the running event loop."""
+        return self._proc is not None and self._loop is asyncio.get_running_loop()
+
+    def _forget(self) -> None:
+        """Drop a process started on another event loop (one that has ended, e.g. an earlier
+        ``miles train`` in this process): its pipes and lock belong to that loop. Its stdin is
+        closed, so it ends what it runs and exits as at `aclose`."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.stdin is not None:
+            pipe = proc.stdin.transport.get_extra_info("pipe")
+            if pipe is not None:
+                pipe.close()
+        self._reader = None
+        self._waiting.clear()
+        self._lock = asyncio.Lock()
+
     async def _spawn(self, env: Mapping[str, str] | None = None) -> bool:
-        """Start the process unless it runs; whether this call started it."""
+        """Start the process unless it runs (on this event loop); whether this call started it."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._forget()
+            self._loop = loop
         async with self._lock:
             if self._proc is not None:
                 return False
@@ -65,17 +87,26 @@ class JsonLinesBridge:
             return True
 
     async def _read(self) -> None:
-        assert self._proc is not None
-        assert self._proc.stdout is not None
-        while line := await self._proc.stdout.readline():
-            reply = json.loads(line)
-            fut = self._waiting.pop(int(reply["id"]), None)
-            if fut is None or fut.done():
-                continue
-            if reply["ok"]:
-                fut.set_result(reply["result"])
-            else:
-                fut.set_exception(self._error(f"{reply['type']}: {reply['error']}"))
+        proc = self._proc
+        assert proc is not None
+        assert proc.stdout is not None
+        try:
+            while line := await proc.stdout.readline():
+                reply = json.loads(line)
+                fut = self._waiting.pop(int(reply["id"]), None)
+                if fut is None or fut.done():
+                    continue
+                if reply["ok"]:
+                    fut.set_result(reply["result"])
+                else:
+                    fut.set_exception(self._error(f"{reply['type']}: {reply['error']}"))
+        except asyncio.CancelledError:
+            # The event loop is ending (asyncio.run's exit, a rollout closing its loop): the
+            # process ends with it, as at aclose, so no later loop inherits its pipes.
+            if self._proc is proc:
+                self._proc = None
+                await self._end(proc)
+            raise
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(self._error(f"the {self._name} bridge exited"))
@@ -94,9 +125,19 @@ class JsonLinesBridge:
 
     async def aclose(self) -> None:
         """End the process (and what it serves: tool servers, environments). Idempotent."""
+        if self._loop is not None and self._loop is not asyncio.get_running_loop():
+            self._forget()
+            return
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        await self._end(proc)
+        if self._reader is not None:
+            await self._reader
+
+    @staticmethod
+    async def _end(proc: asyncio.subprocess.Process) -> None:
+        """Close the process's stdin (it ends its work and exits) and wait; kill after 30 s."""
         if proc.stdin is not None:
             proc.stdin.close()
         try:
@@ -104,5 +145,3 @@ class JsonLinesBridge:
         except TimeoutError:
             proc.kill()
             await proc.wait()
-        if self._reader is not None:
-            await self._reader

@@ -214,11 +214,12 @@ class HarborBridge(JsonLinesBridge):
         self.work: Path | None = None
 
     async def start(self) -> None:
-        """Start the process (once; again after it exited)."""
-        if self._proc is not None and self._proc.returncode is not None:
+        """Start the process (once per event loop; again after it exited)."""
+        if self._on_this_loop():
+            assert self._proc is not None
+            if self._proc.returncode is None:
+                return
             await self.aclose()  # it died: the next trial gets a fresh one
-        if self._proc is not None:
-            return
         work = Path(tempfile.mkdtemp(prefix="miles-harbor-bridge-"))
         if await self._spawn(_bridge_env(Path(self.python), work)):
             self.work = work
