@@ -33,6 +33,7 @@ BUILTIN_TASKS: dict[str, Callable[..., Task]] = {
     "harbor": lambda **p: _agentic().HarborTaskSet(**p),  # Harbor task dirs (miles.agentic)
     "verifiers": lambda **p: _agentic().VerifiersTaskSet(**p),  # a Verifiers taskset
     "hud": lambda **p: _agentic().HudTaskSet(**p),  # the task rows of a HUD environment
+    "nemo_gym": lambda **p: _agentic().NemoGymTaskSet(**p),  # NeMo Gym JSONL task rows
 }
 
 

@@ -1,6 +1,6 @@
-"""Agentic RL in the loop: Harbor tasks, Verifiers tasksets (``task.name: verifiers``) and HUD
-task rows (``task.name: hud``) as prompts, a scripted tool-calling policy for CPU runs, per-run
-agentic metrics and their plot.
+"""Agentic RL in the loop: Harbor tasks, Verifiers tasksets (``task.name: verifiers``), HUD
+task rows (``task.name: hud``) and NeMo Gym task rows (``task.name: nemo_gym``) as prompts, a
+scripted tool-calling policy for CPU runs, per-run agentic metrics and their plot.
 
 Recipes ``terminal`` and ``agentic-coding`` put it together::
 
@@ -20,6 +20,7 @@ except ModuleNotFoundError as e:  # an optional component of the meta-package
     raise ImportError("agentic tasks need miles-env: pip install 'miles[env]'") from e
 
 from miles.agentic.hud import HudTaskSet
+from miles.agentic.nemo_gym import NemoGymTaskSet
 from miles.agentic.plot import plot_agentic
 from miles.agentic.scripted import ScriptedPolicy, scripted_policy
 from miles.agentic.task import HarborTaskSet
@@ -28,6 +29,7 @@ from miles.agentic.verifiers import VerifiersTaskSet
 __all__ = [
     "HarborTaskSet",
     "HudTaskSet",
+    "NemoGymTaskSet",
     "ScriptedPolicy",
     "VerifiersTaskSet",
     "plot_agentic",
