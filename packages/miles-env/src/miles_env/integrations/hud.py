@@ -30,6 +30,9 @@ a bridge process (``_hud_bridge.py``, JSON lines over stdio). ``hud_agent`` is a
     rollout: {generate_fn: multi_turn, agent: "miles_env.integrations.hud:hud_agent"}
     # each sample: label = the template id,
     # metadata["hud"] = {"source": "env.py", "env": "arith", "args": {"a": 2, "b": 3}}
+
+``task.name: hud`` (``miles.agentic.HudTaskSet``) makes such samples from an environment's task
+rows, which `list_hud_tasks` reads in HUD's Python.
 """
 
 from __future__ import annotations
