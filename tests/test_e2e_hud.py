@@ -159,7 +159,7 @@ def test_miles_train_runs_hud_agent_on_a_hud_taskset(
         assert mask[first:] == [1] * (len(mask) - first)
         assert 1 <= len(mask) - first <= 12
         assert all((v is None) == (m == 0) for v, m in zip(s["weight_versions"], mask))
-        reply = tok.decode(tokens[first:], skip_special_tokens=True).strip()
+        reply = str(tok.decode(tokens[first:], skip_special_tokens=True)).strip()
         trained.append((template, reply, s["reward"]))
     # HUD graded exactly the replies the sessions generated, and its grades are the rewards.
     graded = [json.loads(line) for line in (tmp_path / "graded.jsonl").read_text().splitlines()]
