@@ -85,9 +85,10 @@ typecheck: setup
 # The cross-package and end-to-end tests (tests/) in the dev venv. Each package's own tests run
 # once, through Pants (pants-packages below), not here as well (docs/ci.md).
 # PYTHONFAULTHANDLER: a native abort in a test or in a rank it spawns prints every thread's
-# Python stack, so a rare crash in CI says where it happened.
+# Python stack, so a rare crash in CI says where it happened. --durations: the 25 slowest
+# tests close the output, so every CI log says where the time budget went (docs/ci.md).
 pytest: setup
-	PYTHONFAULTHANDLER=1 $(BIN)/pytest -q tests
+	PYTHONFAULTHANDLER=1 $(BIN)/pytest -q --durations=25 tests
 
 # Every package's tests and the top-level ones in the dev venv (no Pants; for local iteration).
 pytest-all: setup
