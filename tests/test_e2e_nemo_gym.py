@@ -1,11 +1,13 @@
 """NeMo Gym both ways round, with nemo-gym 0.4.0 in its own Python (3.12) behind miles_env's
-bridge, one process for the module:
+bridge:
 
-- its own agent loop against a TITO session: NeMo Gym's ``simple_agent`` (``POST /run``:
-  ``/seed_session``, its Responses loop, tools on the resources server, ``/verify``) with
-  NeMo Gym's ``openai_model`` model server pointed at the session calls the session server's
-  ``/v1/responses`` as it would call any provider; the session keeps the token ids and the
-  loss mask, ``/verify``'s reward comes back (`NemoGymAgent`);
+- under ``miles train``: ``task.name: nemo_gym`` reads NeMo Gym's JSONL task rows and names
+  the resources server, ``rollout.agent: miles_env.integrations.nemo_gym:nemo_gym_agent`` plays
+  each row with NeMo Gym's own ``simple_agent`` (``POST /run``: ``/seed_session``, its
+  Responses loop, tools on the resources server, ``/verify``), whose ``openai_model`` model
+  server calls the run's TITO session's ``/v1/responses`` as it would call any provider; the
+  session keeps the token ids and the loss mask, ``/verify``'s reward is the sample's, and the
+  samples are trained (`NemoGymAgent`, `miles.agentic.NemoGymTaskSet`);
 - Miles' episode driver as the agent on the same resources server (`NemoGymEnv`).
 
 The resources server is the add task of miles-env's tests (``tests/frameworks/
@@ -20,12 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+import textwrap
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
-from conftest import REPO, call_json, save_tiny_smol
+from conftest import REPO, save_tiny_smol
 
 pytest.importorskip("miles_env")
 
@@ -36,7 +41,6 @@ from miles_env.integrations.nemo_gym import (
     NemoGymEnv,
     nemo_gym_python,
 )
-from miles_rollout.session import serve_sessions
 
 SERVER = REPO / "packages" / "miles-env" / "tests" / "frameworks" / "nemo_gym_server.py"
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 20, "b": 22}}\n</tool_call>'
@@ -60,19 +64,33 @@ ROW = {
     "a": 20,
     "b": 22,
 }
+# The three episodes of the group, by the order their sessions first generate: solved; the
+# call, then the engine's own reply; three calls whose outputs overflow the context.
+SCRIPTS = [[CALL, "The sum is 42."], [CALL], ["\n".join([CALL] * 3)]]
 
 
 class _Scripted:
-    """An engine client: a session's scripted turns (``scripts[session id]``, texts) are
-    returned as generated (logprob 0), the rest are the engine's."""
+    """The run's engine client: a session's scripted turns (`SCRIPTS`, handed out in the order
+    sessions first generate) are returned as generated (logprob 0, cut at the request's
+    ``max_new_tokens`` as an engine cuts), the rest are the engine's."""
 
-    def __init__(self, inner: Any, tokenizer: Any) -> None:
-        self._inner = inner
-        self._tok = tokenizer
-        self.scripts: dict[str, list[str]] = {}
+    scripts: ClassVar[dict[str, list[str]]] = {}
+    tokenizer: ClassVar[Any] = None
+
+    def __init__(self, engine: Any) -> None:
+        from miles_rollout import LocalEngineClient
+
+        self._inner = LocalEngineClient(engine)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    async def __aenter__(self) -> _Scripted:
+        await self._inner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._inner.__aexit__(*exc)
 
     async def generate(
         self,
@@ -82,33 +100,41 @@ class _Scripted:
         return_logprob: bool = True,
         rid: str | None = None,
         routing_key: str | None = None,
+        **extra: Any,
     ) -> Any:
         from miles_rollout import FinishReason, GenerateOutput
 
-        script = self.scripts.get(str(routing_key))
+        key = str(routing_key)
+        if key not in self.scripts:
+            self.scripts[key] = list(SCRIPTS[len(self.scripts)])
+        script = self.scripts[key]
         if not script:
             return await self._inner.generate(
-                input_ids, sampling_params, return_logprob=return_logprob, routing_key=routing_key
-            )
-        end = self._tok.eos_token_id
-        ids = [*self._tok.encode(script.pop(0), add_special_tokens=False), end]
+                input_ids, sampling_params, return_logprob=return_logprob, rid=rid,
+                routing_key=routing_key, **extra,
+            )  # fmt: skip
+        end = self.tokenizer.eos_token_id
+        ids = [*self.tokenizer.encode(script.pop(0), add_special_tokens=False), end]
+        finish = FinishReason(type="stop", matched=end)
+        limit = getattr(sampling_params, "max_new_tokens", None)
+        assert limit is None or len(ids) <= limit, (len(ids), limit)  # the script fits
         version = await self._inner.get_weight_version()
         return GenerateOutput(
             output_ids=ids,
             output_logprobs=[0.0] * len(ids),
-            finish_reason=FinishReason(type="stop", matched=end),
+            finish_reason=finish,
             weight_version=version,
             prompt_tokens=len(input_ids),
             completion_tokens=len(ids),
-            rid=str(routing_key),
+            rid=rid or key,
             output_weight_versions=[version] * len(ids),
         )
 
 
 @pytest.fixture(scope="module")
 def nemo_gym() -> Iterator[Any]:
-    """The bridge in NeMo Gym's Python (``.bridge``) and its event loop (``.run``); started
-    first, so that NeMo Gym imports while the session fixture builds the engine."""
+    """The bridge in NeMo Gym's Python (``.bridge``) and its event loop (``.run``), for
+    `NemoGymEnv`; started first, so that NeMo Gym imports while ``miles train`` starts."""
     try:
         python = nemo_gym_python()
     except FileNotFoundError as e:
@@ -123,93 +149,155 @@ def nemo_gym() -> Iterator[Any]:
         loop.close()
 
 
-@pytest.fixture(scope="module")
-def sessions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def test_nemo_gym_agent_without_a_row_says_how_to_give_one() -> None:
+    with pytest.raises(ValueError, match="needs a task row"):
+        asyncio.run(NemoGymAgent("x.py:S")("http://x", SimpleNamespace(label="x"), {}))
+
+
+@pytest.mark.timeout(600)
+def test_miles_train_runs_nemo_gym_agent_on_nemo_gym_rows(
+    nemo_gym: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``miles train`` (the CLI's entry point, ``miles.cli.main``, in this process), one step,
+    the row of a JSONL file played three times (`SCRIPTS`)."""
     from transformers import AutoTokenizer
 
-    from miles_rollout import EngineConfig, LocalEngineClient
+    import miles.rollout.engines
+    from miles.cli import main as miles_main
+    from miles_env.integrations.nemo_gym import chat_messages, chat_tools
+    from miles_rollout.session.render import TitoRenderer
 
-    model = save_tiny_smol(tmp_path_factory.mktemp("models") / "tiny-smol")
-    engine = EngineConfig(model_path=str(model), max_running_requests=4, seed=0).build()
+    model = save_tiny_smol(tmp_path / "tiny-smol")
     tok = AutoTokenizer.from_pretrained(model)
-    client = _Scripted(LocalEngineClient(engine), tok)
-    try:
-        with serve_sessions(client, tokenizer=tok) as h:
-            yield SimpleNamespace(h=h, tokenizer=tok, client=client)
-    finally:
-        engine.shutdown()
+    # About the prompt as the session renders it (the row's input and tools; NeMo Gym's tool
+    # has a few more fields); the context has room after it for the three calls (108 tokens),
+    # not for their three outputs (about 66 more).
+    renderer = TitoRenderer(tok, None)
+    messages = chat_messages([{"role": "user", "content": "What is 20 + 22? Use the add tool."}])
+    tools = chat_tools([ADD])
+    template = renderer.template_for(tools)
+    text = renderer.render(messages, tools, template=template, add_generation_prompt=True)
+    prompt_len = len(renderer.encode(text))
+    context = prompt_len + 150
+    monkeypatch.setattr(_Scripted, "scripts", {})
+    monkeypatch.setattr(_Scripted, "tokenizer", tok)
+    monkeypatch.setattr(miles.rollout.engines, "LocalEngineClient", _Scripted)
+    played: list[dict[str, Any]] = []  # what the agent returned, as it returned it
+    call = NemoGymAgent.__call__
 
+    async def spy(self: NemoGymAgent, *args: Any) -> dict[str, Any]:
+        played.append(await call(self, *args))
+        return played[-1]
 
-def test_nemo_gym_loop_through_a_tito_session(nemo_gym: Any, sessions: Any) -> None:
-    h, tok = sessions.h, sessions.tokenizer
-    agent = NemoGymAgent(f"{SERVER}:AddServer", bridge=nemo_gym.bridge, max_turns=4)
-    sample = SimpleNamespace(label="add-20-22", metadata={"nemo_gym": {"row": ROW}})
-    request = {"max_tokens": 48, "temperature": 1.0, "top_k": 50}
-    solved, noisy = (call_json("POST", f"{h.url}/sessions", {})["session_id"] for _ in "ab")
-    sessions.client.scripts[solved] = [CALL, "The sum is 42."]
-    sessions.client.scripts[noisy] = [CALL]  # then the engine's own reply
-
-    async def play() -> tuple[dict[str, Any], dict[str, Any]]:
-        return (
-            await agent(h.session_url(solved), sample, request),
-            await agent(h.session_url(noisy), sample, request),
+    monkeypatch.setattr(NemoGymAgent, "__call__", spy)
+    (tmp_path / "rows.jsonl").write_text(json.dumps(ROW) + "\n")
+    recipe = tmp_path / "nemo_gym_e2e.py"
+    recipe.write_text(
+        textwrap.dedent(
+            f"""
+            def recipe():
+                return {{
+                    "name": "nemo-gym-e2e",
+                    "model_path": {str(model)!r},
+                    "engine": {{
+                        "dtype": "float32", "max_running_requests": 4, "context_length": {context},
+                    }},
+                    "sampling": {{"temperature": 1.0, "max_new_tokens": 128}},
+                    "trainer": {{"lr": 1e-4, "dtype": "float32", "micro_batch_size": 4}},
+                    "rollout": {{
+                        "prompts_per_step": 1,
+                        "n_samples_per_prompt": 3,
+                        "generate_fn": "multi_turn",
+                        "agent": "miles_env.integrations.nemo_gym:nemo_gym_agent",
+                    }},
+                    "task": {{
+                        "name": "nemo_gym",
+                        "params": {{
+                            "data": "rows.jsonl",
+                            "resources_server": {f"{SERVER}:AddServer"!r},
+                            "max_turns": 4,
+                        }},
+                        "reward_fn": "miles_env.rollout:episode_reward",
+                    }},
+                    "run": {{"num_steps": 1, "dump_samples": True}},
+                }}
+            """
         )
+    )
+    run = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the recipe's folder is added to it
+    assert miles_main(["train", str(recipe), "--out", str(run), "--no-progress"]) == 0
+    (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 1
+    assert row["rollout/failed_frac"] == 0.0, row
+    assert row["train/samples"] == 3.0
+    assert row["train/loss"] == row["train/loss"]  # trained (finite)
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == len(played) == 3
 
-    run = nemo_gym.run
-    with pytest.raises(ValueError, match="needs a task row"):
-        run(agent("http://x", SimpleNamespace(label="x", metadata={}), {}))
-    md, md2 = run(play())
-    # NeMo Gym's loop: the call, the resources server's answer, the final message; /verify
-    # paid for the tool's sum stated in the answer.
-    assert [o["type"] for o in md["response"]["output"]] == [
-        "function_call", "function_call_output", "message",
-    ]  # fmt: skip
-    assert json.loads(md["response"]["output"][1]["output"]) == {"sum": 42}
-    assert (md["reward"], md["stopped"], md["task"]) == (1.0, "done", "add-20-22"), md
-    assert md["metrics"]["agentic/turns"] == 2.0
-    assert md["metrics"]["agentic/tool_calls"] == 1.0
-    (s,) = call_json("GET", f"{h.url}/sessions/{solved}/samples")["samples"]
-    # What NeMo Gym's agent sent, as the session stored it: the row's prompt and tool, the
-    # call it made, the tool output it got, the reply.
-    assert [m["role"] for m in s["messages"]] == ["user", "assistant", "tool", "assistant"]
-    assert s["messages"][0]["content"] == "What is 20 + 22? Use the add tool."
-    assert s["messages"][1]["tool_calls"][0]["function"]["name"] == "add"
-    assert json.loads(s["messages"][2]["content"]) == {"sum": 42}
-    assert s["messages"][3]["content"] == "The sum is 42."
-    assert [t["function"]["name"] for t in s["tools"]] == ["add"]
-    # Generated ids trained (mask 1), the tool output between the turns masked out (0).
-    n = s["prompt_length"]
-    response, mask = s["tokens"][n:], s["loss_mask"]
-    trained = tok.decode([t for t, m in zip(response, mask, strict=True) if m])
-    masked = tok.decode([t for t, m in zip(response, mask, strict=True) if not m])
-    assert trained == tok.decode(tok.encode(CALL + "<|im_end|>The sum is 42.<|im_end|>"))
-    assert '{"sum":42}' in masked.replace(" ", "")
-    assert "<tool_call>" not in masked
-    assert sum(mask) == sum(len(tok.encode(t)) + 1 for t in (CALL, "The sum is 42."))
-    # The second episode: the engine's own reply after the tool output, graded as it is.
-    (s2,) = call_json("GET", f"{h.url}/sessions/{noisy}/samples")["samples"]
-    reply = s2["messages"][-1]
-    assert s2["messages"][2]["role"] == "tool"
-    assert reply["role"] == "assistant"
-    said = (reply.get("content") or "").strip()
-    out2 = md2["response"]["output"]
-    assert out2[-1]["type"] in ("message", "function_call_output")
-    assert md2["reward"] == (1.0 if "42" in said else 0.0)
-    assert md2["stopped"] == ("length" if s2["finish_reason"] == "length" else "done"), md2
-    # A session whose context holds the call but not the tool output after it: NeMo Gym's
-    # loop fails at the refused call; the episode is reward 0 with the reason, the call kept.
-    with serve_sessions(sessions.client, tokenizer=tok, context_length=n + 40) as small:
-        sid = call_json("POST", f"{small.url}/sessions", {})["session_id"]
-        sessions.client.scripts[sid] = [CALL]
-        md3 = run(agent(small.session_url(sid), sample, request))
-        (s3,) = call_json("GET", f"{small.url}/sessions/{sid}/samples")["samples"]
-    assert (md3["reward"], md3["stopped"]) == (0.0, "context_full"), md3
-    assert f"maximum context length is {n + 40} tokens" in md3["reward_reason"]
-    assert md3["reward_reason"].endswith(
+    # NeMo Gym's loop in the three episodes, as the agent returned them.
+    def said(m: dict[str, Any]) -> str:
+        last = (m["response"].get("output") or [{}])[-1]
+        return "".join(c.get("text", "") for c in last.get("content") or [])
+
+    (full,) = [m for m in played if m["stopped"] == "context_full"]
+    (solved,) = [m for m in played if m is not full and said(m) == "The sum is 42."]
+    (noisy,) = [m for m in played if m is not full and m is not solved]
+    # Solved: the call, the resources server's answer, the final message; /verify paid for
+    # the tool's sum stated in the answer.
+    out = solved["response"]["output"]
+    assert [o["type"] for o in out] == ["function_call", "function_call_output", "message"]
+    assert json.loads(out[1]["output"]) == {"sum": 42}
+    assert out[2]["content"][0]["text"] == "The sum is 42."
+    assert (solved["reward"], solved["task"], solved["reward_reason"]) == (
+        1.0, "add-20-22", "reward 1 from /verify",
+    )  # fmt: skip
+    assert solved["metrics"]["agentic/turns"] == 2.0
+    assert solved["metrics"]["agentic/tool_calls"] == 1.0
+    assert solved["stopped"] == "done"
+    # The engine's own reply after the tool output, graded by /verify as it is.
+    assert noisy["response"]["output"][1]["type"] == "function_call_output"
+    assert noisy["reward"] == (1.0 if "42" in said(noisy) else 0.0), said(noisy)
+    assert noisy["stopped"] in ("done", "length")
+    # Three calls whose outputs the context cannot hold: NeMo Gym's loop fails at the refused
+    # model call; reward 0 with the reason (not verified), the call's turn kept.
+    assert full["reward"] == 0.0
+    assert f"maximum context length is {context} tokens" in full["reward_reason"]
+    assert full["reward_reason"].endswith(
         "over the engine's context length; start a new session or shorten it)"
     )
-    assert s3["num_turns"] == 1
-    assert sum(s3["loss_mask"]) == len(tok.encode(CALL)) + 1
+    assert row["rollout/agentic/context_full"] == 1.0  # a mean over the episodes it names
+    assert row["rollout/agentic/reward/add-20-22"] == pytest.approx((1.0 + noisy["reward"]) / 3)
+    # The trained samples: the session's tokens, the rewards /verify's (0 when not verified).
+    assert sorted(s["reward"] for s in samples) == sorted(m["reward"] for m in played)
+    trained: dict[tuple[float, int], str] = {}
+    masked: dict[tuple[float, int], str] = {}
+    for s in samples:
+        tokens, mask = s["tokens"], s["loss_mask"]
+        first = mask.index(1)
+        prompt = tok.decode(tokens[:first])
+        # What NeMo Gym's agent sent: the row's input and its tool, as the session rendered them.
+        assert "What is 20 + 22? Use the add tool." in prompt
+        assert '"name": "add"' in prompt
+        assert abs(first - prompt_len) <= 8  # the estimate the context was sized by
+        # Generated ids trained (mask 1, a weight version), the rest masked.
+        assert all((v is None) == (m == 0) for v, m in zip(s["weight_versions"], mask, strict=True))
+        key = s["reward"], sum(mask)
+        trained[key] = str(tok.decode([t for t, m in zip(tokens, mask, strict=True) if m]))
+        response = zip(tokens[first:], mask[first:], strict=True)
+        masked[key] = str(tok.decode([t for t, m in response if not m]))
+    end = "<|im_end|>"
+    calls3 = SCRIPTS[2][0]
+    solved_text = tok.decode(tok.encode(CALL + end + "The sum is 42." + end))
+    (solved_key,) = [k for k, v in trained.items() if v == solved_text]
+    assert solved_key[0] == 1.0
+    # The tool output between the turns is masked out, the calls are not.
+    assert '{"sum":42}' in masked[solved_key].replace(" ", "")
+    assert "<tool_call>" not in masked[solved_key]
+    (full_key,) = [k for k, v in trained.items() if v == tok.decode(tok.encode(calls3 + end))]
+    assert full_key == (0.0, len(tok.encode(calls3)) + 1)
+    assert masked[full_key] == ""  # one turn: nothing after it
 
 
 def _call(cid: str, name: str, args: Any) -> dict[str, Any]:
