@@ -154,6 +154,7 @@ def test_nemo_gym_agent_without_a_row_says_how_to_give_one() -> None:
         asyncio.run(NemoGymAgent("x.py:S")("http://x", SimpleNamespace(label="x"), {}))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_miles_train_runs_nemo_gym_agent_on_nemo_gym_rows(
     nemo_gym: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
