@@ -40,14 +40,28 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 @pytest.fixture(scope="module")
 def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A HOME whose ``~/.cache/miles/tiny-qwen3-arith`` is the demo policy (default spec)."""
+    import torch
+
     home = tmp_path_factory.mktemp("home")
     tool = load_tool("make_tiny_model")
-    tool.ensure(tool.TinyModelSpec(), home / ".cache" / "miles" / "tiny-qwen3-arith", quiet=True)
+    # One thread: the same weights bit for bit as make demo's two (checked), 70 s on the idle
+    # machine against 45 s, but two OpenMP threads stall behind every other process on the 2
+    # cores: beside `make test`'s Pants batches this warm-up took 491 s with two.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tool.ensure(
+            tool.TinyModelSpec(), home / ".cache" / "miles" / "tiny-qwen3-arith", quiet=True
+        )
+    finally:
+        torch.set_num_threads(threads)
     return home
 
 
 def _env(home: Path) -> dict[str, str]:
-    env = dict(os.environ, HOME=str(home), TOKENIZERS_PARALLELISM="false")
+    # One torch thread (as make test's other runs): the same held-out figures as two threads
+    # (checked at 100 steps), and no OpenMP stalls beside the Pants batches.
+    env = dict(os.environ, HOME=str(home), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     env.pop("MILES_CACHE_DIR", None)
     # `python` and `miles` in the README's commands are this interpreter's.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
@@ -126,8 +140,9 @@ def test_the_demo_improves_on_megatron_tp2(demo_home: Path, tmp_path: Path) -> N
     cmd = ["torchrun", "--nproc_per_node", "2", "-m", "miles", "train", "arith-demo"]
     cmd += ["--set", "trainer.backend=megatron", "--set", "trainer.megatron.tp=2"]
     cmd += ["--steps", str(STEPS), "--out", str(run), "--no-progress"]
-    env = dict(_env(demo_home), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=tmp_path)
+    proc = subprocess.run(
+        cmd, env=_env(demo_home), capture_output=True, text=True, timeout=1800, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_heldout_gains(run)
     assert yaml.safe_load((run / "config.yaml").read_text())["trainer"]["backend"] == "megatron"
